@@ -1,0 +1,35 @@
+# elastic-train: the two commands a new machine needs are `make demo` and `make test`.
+# Both create .venv (if missing) and install the package with its dev extras first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+## The main job: 2 CPU processes under torchrun on the built-in dataset; stops early on target.
+demo: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m elastic_train --log-dir logs/demo
+
+## The whole test suite: unit + hypothesis, multi-process gloo, real torchrun runs.
+test: $(STAMP) lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check elastic_train tests benchmarks
+	$(VENV)/bin/ruff format --check elastic_train tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf logs .pytest_cache .mypy_cache .ruff_cache .hypothesis

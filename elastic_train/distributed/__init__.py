@@ -1,0 +1,1 @@
+"""Launcher environment (``env``, torch-free), process-group lifetime and collectives."""

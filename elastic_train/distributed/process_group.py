@@ -1,0 +1,169 @@
+"""Process-group lifetime and the few collectives the trainer needs.
+
+Every process, even a lone one, gets a process group, so the trainer has one code path: a
+single process uses an in-memory store and a world of one. The group is always destroyed in
+``finally`` (the seed's rule) so no rank lingers on a dead peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.distributed as dist
+from tenacity import (
+    RetryCallState,
+    retry,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from elastic_train.distributed.env import DistEnv
+from elastic_train.errors import UsageError
+
+log = structlog.get_logger(__name__)
+
+# Attempts to connect to the rendezvous store before giving up. Each attempt itself waits up to
+# the store's own connect timeout; the waits between attempts are jittered so that hundreds of
+# ranks do not hammer a store that just came back. Override: ELASTIC_TRAIN_INIT_ATTEMPTS.
+DEFAULT_INIT_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The device this rank computes on and the matching collective backend."""
+
+    device: torch.device
+    backend: str
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def choose_placement(requested: str, env: DistEnv) -> Placement:
+    """Map ``--device`` to a device bound by LOCAL_RANK and a backend (nccl on CUDA, gloo on CPU)."""
+    cuda_ok = torch.cuda.is_available()
+    if requested == "cuda" and not cuda_ok:
+        raise UsageError("--device cuda was requested but CUDA is not available", "use --device cpu or auto")
+    if requested == "cpu" or (requested == "auto" and not cuda_ok):
+        return Placement(torch.device("cpu"), "gloo")
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise UsageError(
+            f"LOCAL_RANK={env.local_rank} but only {count} CUDA device(s) are visible",
+            "launch at most one process per GPU (torchrun --nproc_per_node=<GPUs on the node>)",
+        )
+    return Placement(torch.device("cuda", env.local_rank), "nccl")
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    # Only store/socket connection failures are worth retrying: a wrong config fails every time.
+    if isinstance(exc, (dist.DistNetworkError, dist.DistStoreError, ConnectionError, TimeoutError)):
+        return True
+    return isinstance(exc, RuntimeError) and "connect" in str(exc).lower()
+
+
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    log.warning("process_group_init_retry", attempt=state.attempt_number, error=repr(exc))
+
+
+def init_attempts() -> int:
+    return max(1, int(os.environ.get("ELASTIC_TRAIN_INIT_ATTEMPTS", DEFAULT_INIT_ATTEMPTS)))
+
+
+def _init(env: DistEnv, placement: Placement, timeout: datetime.timedelta) -> None:
+    device_id = placement.device if placement.is_cuda else None
+    if env.launched:
+        # env:// reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set by torchrun.
+        dist.init_process_group(placement.backend, timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(
+            placement.backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device_id,
+        )
+
+
+def init_process_group(env: DistEnv, placement: Placement, timeout_s: float) -> None:
+    """Join the process group, retrying connection errors with bounded, jittered waits.
+
+    ``timeout_s`` bounds every later collective (``--collective-timeout``): a dead peer turns
+    into an error after that long instead of the backend default of 30 minutes.
+    """
+    if placement.is_cuda:
+        torch.cuda.set_device(placement.device)
+    attempt = retry(
+        retry=retry_if_exception(_is_connection_error),
+        stop=stop_after_attempt(init_attempts()),
+        wait=wait_random_exponential(multiplier=0.5, max=10.0),
+        before_sleep=_log_retry,
+        reraise=True,
+    )(_init)
+    attempt(env, placement, datetime.timedelta(seconds=timeout_s))
+    log.info("process_group_ready", backend=placement.backend, device=str(placement.device))
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(env: DistEnv, placement: Placement, timeout_s: float) -> Iterator[None]:
+    """``init_process_group`` ... ``destroy_process_group()`` in ``finally``.
+
+    On success every rank meets at a barrier first: no rank tears down its end of the group (or,
+    in a plain launch, rank 0 the store) while a peer is still finishing its last collective.
+    After an exception there is no barrier: the peer we would wait for may be dead.
+    """
+    try:
+        init_process_group(env, placement, timeout_s)
+        yield
+        barrier(placement)
+    finally:
+        gc.collect()  # release DDP reducers and pending work objects that still reference the group
+        destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def broadcast_flag(flag: bool, device: torch.device, src: int = 0) -> bool:
+    """Rank ``src`` decides; every rank returns the same answer."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.broadcast(t, src=src)
+    return bool(t.item())
+
+
+def broadcast_error(message: str | None, src: int = 0) -> str | None:
+    """Share rank ``src``'s error message (or None) so every rank can fail the same way."""
+    box: list[str | None] = [message]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier(placement: Placement) -> None:
+    if placement.is_cuda:
+        dist.barrier(device_ids=[placement.device.index])
+    else:
+        dist.barrier()

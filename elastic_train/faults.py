@@ -1,0 +1,138 @@
+"""Fault injection for tests and chaos runs, driven by ``ELASTIC_TRAIN_FAULTS``. Off unless set.
+
+Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][:always]``.
+
+* ``kill``: SIGKILL this process at the start of global step S (steps count from 1 across epochs).
+* ``hang``: block forever at the start of step S (a stuck rank; its peers wait in a collective).
+* ``raise``: raise ``InjectedFault`` at the start of step S.
+* ``kill_in_save`` / ``enospc``: consumed by the checkpoint writer (``fires(kind, step)``).
+
+A fault fires once per run, across restarts: before firing it leaves a marker file in the
+marker directory (beside the run's persistent state), and a marked fault never fires again.
+With ``:always`` it fires on every attempt, e.g. to exhaust torchrun's restart budget.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from elastic_train.errors import UsageError
+
+ENV_VAR = "ELASTIC_TRAIN_FAULTS"
+STEP_KINDS = ("kill", "hang", "raise")
+SAVE_KINDS = ("kill_in_save", "enospc")
+KINDS = STEP_KINDS + SAVE_KINDS
+HINT = f"write e.g. {ENV_VAR}='kill:rank=1:step=7,raise:rank=0:step=3:always'"
+
+log = structlog.get_logger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a ``raise`` fault."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    always: bool = False
+    params: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def marker_name(self) -> str:
+        extra = "".join(f"-{k}{v}" for k, v in sorted(self.params.items()))
+        return f"fault-{self.kind}-rank{self.rank}-step{self.step}{extra}.fired"
+
+
+def _parse_one(text: str) -> Fault:
+    kind, *fields = text.strip().split(":")
+    if kind not in KINDS:
+        raise UsageError(f"{ENV_VAR}: unknown fault kind {kind!r} in {text!r} (known: {', '.join(KINDS)})", HINT)
+    always = False
+    values: dict[str, str] = {}
+    for item in fields:
+        if item == "always":
+            always = True
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise UsageError(f"{ENV_VAR}: expected key=value, got {item!r} in {text!r}", HINT)
+        values[key] = value
+    try:
+        rank, step = int(values.pop("rank")), int(values.pop("step"))
+    except KeyError as exc:
+        raise UsageError(f"{ENV_VAR}: {text!r} lacks {exc.args[0]}=", HINT) from None
+    except ValueError:
+        raise UsageError(f"{ENV_VAR}: rank and step must be integers in {text!r}", HINT) from None
+    if rank < 0 or step < 1:
+        raise UsageError(f"{ENV_VAR}: need rank >= 0 and step >= 1 in {text!r}", HINT)
+    return Fault(kind, rank, step, always, values)
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    return [_parse_one(part) for part in spec.split(",") if part.strip()]
+
+
+class FaultInjector:
+    """This rank's faults. ``marker_dir`` must survive restarts (it sits beside checkpoints)."""
+
+    def __init__(self, faults: list[Fault], rank: int, marker_dir: Path) -> None:
+        self.faults = [f for f in faults if f.rank == rank]
+        self.marker_dir = marker_dir
+
+    @classmethod
+    def from_environ(cls, rank: int, marker_dir: Path) -> FaultInjector:
+        return cls(parse_faults(os.environ.get(ENV_VAR, "")), rank, marker_dir)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.faults)
+
+    def _claim(self, fault: Fault) -> bool:
+        """True if ``fault`` should fire now; records that it fired (unless ``always``)."""
+        if fault.always:
+            return True
+        marker = self.marker_dir / fault.marker_name
+        if marker.exists():
+            return False
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        # The marker must be durable before a kill: otherwise the fault fires again after restart.
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, f"{time.time()}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def fires(self, kind: str, step: int, **params: str) -> bool:
+        """For hooks elsewhere (checkpoint writer): does a ``kind`` fault fire at ``step``?"""
+        for fault in self.faults:
+            if fault.kind == kind and fault.step == step and all(fault.params.get(k) == v for k, v in params.items()):
+                if self._claim(fault):
+                    log.warning("fault_injected", kind=kind, step=step, **params)
+                    return True
+        return False
+
+    def at_step(self, step: int) -> None:
+        """Fire any kill/hang/raise fault due at the start of ``step``."""
+        if not self.faults:
+            return
+        for kind in STEP_KINDS:
+            if not self.fires(kind, step):
+                continue
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "hang":
+                while True:
+                    time.sleep(3600)
+            else:
+                raise InjectedFault(f"injected fault: raise at step {step}")

@@ -1,0 +1,82 @@
+"""Flag validation: every bad value names the problem and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic_train.cli import parse_config
+from elastic_train.config import TrainConfig
+from elastic_train.distributed.env import DistEnv
+from elastic_train.errors import UsageError
+
+
+def test_defaults_train_something_real_without_flags() -> None:
+    cfg = parse_config([])
+    assert (cfg.model, cfg.dataset, cfg.optimizer) == ("vit", "synthetic", "adamw")
+    assert cfg.batch_size >= 2 and cfg.epochs >= 2 and 0 < cfg.target_accuracy <= 1
+
+
+def test_the_seeds_flags_parse_with_the_seeds_meaning() -> None:
+    cfg = parse_config(
+        "--model resnet18 --dataset tiny-imagenet --data-dir /d --batch-size 1024 --epochs 100 --optimizer sgd "
+        "--base-lr 0.0003 --target-accuracy 0.95 --patience 2 --seed 7 --num-workers 8 --amp".split()
+    )
+    assert cfg.model == "resnet18" and cfg.dataset == "tiny-imagenet" and cfg.data_dir == Path("/d")
+    assert (cfg.batch_size, cfg.epochs, cfg.base_lr, cfg.patience, cfg.seed) == (1024, 100, 0.0003, 2, 7)
+    assert cfg.amp and cfg.num_workers == 8 and cfg.optimizer == "sgd"
+    assert cfg.check_world_size(4) == 256  # per-process batch = global // world
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--epochs", "0"], "--epochs 0 must be >= 1"),
+        (["--base-lr", "0"], "--base-lr 0.0 must be > 0"),
+        (["--base-lr", "-1"], "--base-lr -1.0 must be > 0"),
+        (["--target-accuracy", "0"], "outside (0, 1]"),
+        (["--target-accuracy", "1.5"], "outside (0, 1]"),
+        (["--patience", "-1"], "--patience -1 must be >= 0"),
+        (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
+        (["--num-workers", "-2"], "--num-workers -2"),
+        (["--model", "gpt"], "invalid choice"),
+        (["--dataset", "cifar"], "invalid choice"),
+        (["--optimizer", "lion"], "invalid choice"),
+        (["--dataset", "tiny-imagenet"], "needs --data-dir"),
+        (["--max-steps-per-epoch", "0"], "must be >= 1"),
+        (["--epochs", "two"], "invalid int value"),
+    ],
+)
+def test_bad_flags_raise_a_usage_error_with_a_fix(argv: list[str], problem: str) -> None:
+    with pytest.raises(UsageError) as info:
+        parse_config(argv)
+    assert problem in str(info.value)
+    assert "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize(("batch", "world", "hint"), [(10, 4, "e.g. 8 or 12"), (3, 4, "at least 4")])
+def test_global_batch_must_split_evenly_over_the_world(batch: int, world: int, hint: str) -> None:
+    with pytest.raises(UsageError, match="world size") as info:
+        TrainConfig(batch_size=batch).check_world_size(world)
+    assert hint in str(info.value)
+
+
+def test_env_is_read_once_from_torchrun_variables() -> None:
+    env = DistEnv.from_environ(
+        {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+         "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7"}
+    )
+    assert (env.rank, env.local_rank, env.world_size, env.node_rank, env.restart_count) == (3, 1, 4, 1, 2)
+    assert env.run_id == "job7" and env.launched and not env.is_main and env.is_distributed
+    alone = DistEnv.from_environ({})
+    assert alone.world_size == 1 and alone.is_main and not alone.launched
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{"RANK": "4", "WORLD_SIZE": "4"}, {"RANK": "x", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "0"}],
+)
+def test_inconsistent_launcher_env_is_a_usage_error(environ: dict[str, str]) -> None:
+    with pytest.raises(UsageError):
+        DistEnv.from_environ(environ)

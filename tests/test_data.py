@@ -1,0 +1,133 @@
+"""Dataset loading from real on-disk layouts (built by the tests: no network)."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_train.config import TrainConfig
+from elastic_train.data import load_bundle
+from elastic_train.data.datasets import Augment, TrainView
+from elastic_train.data.folders import extract_atomically, load_imagefolder, prepare_tiny_imagenet
+from elastic_train.data.synthetic import digits, synthetic
+from elastic_train.errors import DataError
+from tests.datagen import WNIDS, imagefolder_tree, tiny_imagenet_tree, tiny_imagenet_zip
+
+
+def test_tiny_imagenet_from_an_extracted_tree_uses_val_annotations_for_labels(tmp_path: Path) -> None:
+    tiny_imagenet_tree(tmp_path)
+    bundle = load_bundle(TrainConfig(dataset="tiny-imagenet", data_dir=tmp_path))
+    assert (len(bundle.train), len(bundle.val), bundle.num_classes, bundle.image_size) == (24, 9, 3, 64)
+    for i in range(len(bundle.val)):
+        image, label = bundle.val.load(i)
+        assert image.shape == (3, 64, 64) and image.dtype == torch.uint8
+        assert label == i // 3  # val_<label*3+k> was annotated with WNIDS[label]
+    assert bundle.train.load(0)[1] == 0 and bundle.train.load(23)[1] == 2
+
+
+def test_tiny_imagenet_zip_is_extracted_once_and_atomically(tmp_path: Path) -> None:
+    archive = tiny_imagenet_zip(tmp_path)
+    root = prepare_tiny_imagenet(tmp_path)
+    assert root == tmp_path / "tiny-imagenet-200" and (root / "wnids.txt").read_text().split() == WNIDS
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name], "temporary folder left behind"
+    stamp = (root / "wnids.txt").stat().st_mtime_ns
+    assert prepare_tiny_imagenet(archive) == root  # the .zip path itself works too, and reuses the tree
+    assert (root / "wnids.txt").stat().st_mtime_ns == stamp
+
+
+def test_a_crash_mid_extract_never_leaves_a_tree_that_looks_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    archive = tiny_imagenet_zip(tmp_path)
+    real_extract = zipfile.ZipFile._extract_member  # type: ignore[attr-defined]
+
+    def dying_extract(self: zipfile.ZipFile, member: zipfile.ZipInfo | str, *args: object) -> str:
+        if str(getattr(member, "filename", member)).endswith("val_annotations.txt"):
+            raise OSError("simulated crash")
+        return str(real_extract(self, member, *args))
+
+    monkeypatch.setattr(zipfile.ZipFile, "_extract_member", dying_extract)
+    with pytest.raises(OSError, match="simulated"):
+        extract_atomically(archive, tmp_path / "tiny-imagenet-200")
+    assert not (tmp_path / "tiny-imagenet-200").exists()
+    monkeypatch.undo()
+    assert (prepare_tiny_imagenet(tmp_path) / "val" / "val_annotations.txt").is_file()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_a_corrupt_zip_is_a_data_error_naming_the_file(tmp_path: Path, damage: str) -> None:
+    archive = tiny_imagenet_zip(tmp_path)
+    data = bytearray(archive.read_bytes())
+    if damage == "flip":
+        for offset in range(200, len(data) // 2, 997):  # inside compressed members
+            data[offset] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"not a zip" * 100)
+    archive.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="tiny-imagenet-200.zip") as info:
+        prepare_tiny_imagenet(tmp_path)
+    assert "Fix:" in str(info.value)
+    assert not (tmp_path / "tiny-imagenet-200").exists()
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name]
+
+
+def test_missing_or_malformed_tiny_imagenet_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        prepare_tiny_imagenet(tmp_path / "nope")
+    with pytest.raises(DataError, match="no tiny-imagenet-200"):
+        prepare_tiny_imagenet(tmp_path)
+    root = tiny_imagenet_tree(tmp_path)
+    annotations = root / "val" / "val_annotations.txt"
+    annotations.write_text(annotations.read_text() + "val_99.JPEG\tn99999999\t0\t0\t1\t1\n")
+    with pytest.raises(DataError, match=r"val_annotations.txt:10: malformed"):
+        load_bundle(TrainConfig(dataset="tiny-imagenet", data_dir=tmp_path))
+
+
+def test_imagefolder_reads_class_folders_and_resizes(tmp_path: Path) -> None:
+    imagefolder_tree(tmp_path)
+    bundle = load_imagefolder(tmp_path, image_size=32, augment_seed=0)
+    assert (len(bundle.train), len(bundle.val), bundle.num_classes) == (18, 6, 3)
+    assert bundle.train.load(0)[0].shape == (3, 32, 32)
+
+
+def test_imagefolder_errors_name_the_folder(tmp_path: Path) -> None:
+    imagefolder_tree(tmp_path)
+    (tmp_path / "val" / "class_9").mkdir()
+    with pytest.raises(DataError, match="class_9"):
+        load_imagefolder(tmp_path, None, 0)
+    os.rename(tmp_path / "val", tmp_path / "validation")
+    with pytest.raises(DataError, match="val is not a folder"):
+        load_imagefolder(tmp_path, None, 0)
+
+
+def test_augmentation_is_a_pure_function_of_seed_epoch_and_index() -> None:
+    image = torch.randint(0, 255, (3, 32, 32), dtype=torch.uint8)
+    aug = Augment(seed=5)
+    assert torch.equal(aug(image, 2, 17), aug(image, 2, 17))
+    assert aug(image, 2, 17).shape == image.shape
+    outputs = {aug(image, e, 17).sum().item() for e in range(20)}
+    assert len(outputs) > 5, "different epochs should give different crops/flips"
+
+
+def test_train_view_items_carry_their_dataset_index() -> None:
+    bundle = synthetic()
+    view = TrainView(bundle.train, bundle.augment)
+    image, label, index = view[(3, 42)]
+    assert index == 42 and label == int(bundle.train.labels[42]) and image.dtype == torch.uint8
+
+
+def test_synthetic_is_deterministic_and_balanced() -> None:
+    a, b = synthetic(), synthetic()
+    assert torch.equal(a.train.images, b.train.images) and torch.equal(a.val.labels, b.val.labels)
+    counts = torch.bincount(a.train.labels, minlength=10)
+    assert counts.min() > 0.7 * counts.float().mean()
+
+
+def test_digits_are_the_real_scikit_learn_digits() -> None:
+    bundle = digits()
+    assert len(bundle.train) + len(bundle.val) == 1797 and bundle.num_classes == 10
+    assert bundle.train.load(0)[0].shape == (3, 32, 32)
