@@ -30,7 +30,7 @@ import structlog
 from elastic_train import __version__
 from elastic_train.config import DATASETS, DEVICES, MODELS, OPTIMIZERS, TrainConfig
 from elastic_train.distributed.env import DistEnv
-from elastic_train.errors import EXIT_USAGE, UsageError
+from elastic_train.errors import EXIT_OK, EXIT_USAGE, UsageError
 from elastic_train.logs import configure_logging, detach_rank_log
 
 log = structlog.get_logger(__name__)
@@ -49,15 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     seed = p.add_argument_group("training (the seed's flags)")
     seed.add_argument("--model", choices=MODELS, default=d.model)
     seed.add_argument("--dataset", choices=DATASETS, default=d.dataset)
-    seed.add_argument("--batch-size", type=int, default=d.batch_size,
-                      help="GLOBAL batch size; each of W processes trains on batch-size // W")
+    seed.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help="GLOBAL batch size; each of W processes trains on batch-size // W",
+    )
     seed.add_argument("--epochs", type=int, default=d.epochs)
     seed.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
     seed.add_argument("--base-lr", type=float, default=d.base_lr)
-    seed.add_argument("--target-accuracy", type=float, default=d.target_accuracy,
-                      help="stop once validation accuracy reaches this fraction")
-    seed.add_argument("--patience", type=int, default=d.patience,
-                      help="stop after this many epochs without improvement (0: never)")
+    seed.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=d.target_accuracy,
+        help="stop once validation accuracy reaches this fraction",
+    )
+    seed.add_argument(
+        "--patience", type=int, default=d.patience, help="stop after this many epochs without improvement (0: never)"
+    )
     seed.add_argument("--seed", type=int, default=d.seed)
     seed.add_argument("--num-workers", type=int, default=d.num_workers, help="DataLoader workers per process")
     seed.add_argument("--amp", action="store_true", help="mixed precision (bf16, or fp16 + loss scaling)")
@@ -67,10 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--log-dir", type=Path, default=d.log_dir)
     ours.add_argument("--max-steps-per-epoch", type=int, default=None, help="cap steps per epoch (quick runs)")
     ours.add_argument("--image-size", type=int, default=None, help="resize images to this square size")
-    ours.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
-                      help="seconds a collective may wait for a peer before failing")
-    ours.add_argument("--threads", type=int, default=d.threads,
-                      help="CPU threads per process (0: cores / local processes, or OMP_NUM_THREADS)")
+    ours.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=d.collective_timeout,
+        help="seconds a collective may wait for a peer before failing",
+    )
+    ours.add_argument(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="CPU threads per process (0: cores / local processes, or OMP_NUM_THREADS)",
+    )
     ours.add_argument("--weight-decay", type=float, default=d.weight_decay)
     ours.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     return p
@@ -90,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.check_world_size(env.world_size)
         from elastic_train.run import train  # the torch-heavy part
 
-        return train(cfg, env)
+        return train(cfg, env) or EXIT_OK
     except UsageError as exc:
         if env is None or env.is_main:
             print(f"elastic-train: error: {exc}", file=sys.stderr, flush=True)

@@ -66,7 +66,9 @@ class TrainConfig:
         if self.num_workers < 0:
             raise UsageError(f"--num-workers {self.num_workers} must be >= 0", "pass 0 to load in-process")
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
-            raise UsageError(f"--max-steps-per-epoch {self.max_steps_per_epoch} must be >= 1", "omit it for full epochs")
+            raise UsageError(
+                f"--max-steps-per-epoch {self.max_steps_per_epoch} must be >= 1", "omit it for full epochs"
+            )
         if self.image_size is not None and not 8 <= self.image_size <= 1024:
             raise UsageError(f"--image-size {self.image_size} is outside [8, 1024]", "omit it for the dataset's size")
         if not self.collective_timeout > 0:

@@ -35,9 +35,7 @@ class EarlyStopper:
             self.reason = f"val_acc {val_accuracy:.4f} >= target {self.target_accuracy:.4f}"
             return True
         if self.patience and self.epochs_without_improvement >= self.patience:
-            self.reason = (
-                f"no val_acc improvement over {self.best_accuracy:.4f} for {self.patience} epoch(s)"
-            )
+            self.reason = f"no val_acc improvement over {self.best_accuracy:.4f} for {self.patience} epoch(s)"
             return True
         return False
 

@@ -116,10 +116,10 @@ class FaultInjector:
     def fires(self, kind: str, step: int, **params: str) -> bool:
         """For hooks elsewhere (checkpoint writer): does a ``kind`` fault fire at ``step``?"""
         for fault in self.faults:
-            if fault.kind == kind and fault.step == step and all(fault.params.get(k) == v for k, v in params.items()):
-                if self._claim(fault):
-                    log.warning("fault_injected", kind=kind, step=step, **params)
-                    return True
+            due = fault.kind == kind and fault.step == step
+            if due and all(fault.params.get(k) == v for k, v in params.items()) and self._claim(fault):
+                log.warning("fault_injected", kind=kind, step=step, **params)
+                return True
         return False
 
     def at_step(self, step: int) -> None:

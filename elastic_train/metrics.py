@@ -35,8 +35,11 @@ class MetricSums:
         count = labels.shape[0]
         correct = (logits.argmax(dim=1) == labels).sum()
         batch = torch.stack(
-            [correct.to(torch.float64), mean_loss.detach().to(torch.float64) * count,
-             torch.tensor(count, dtype=torch.float64, device=self.device)]
+            [
+                correct.to(torch.float64),
+                mean_loss.detach().to(torch.float64) * count,
+                torch.tensor(count, dtype=torch.float64, device=self.device),
+            ]
         )
         self.sums += batch
 
@@ -51,8 +54,12 @@ class MetricSums:
         sums = all_reduce_sum(self.sums.clone())
         digest = all_reduce_sum(self.digest.clone().to(self.device)).cpu() % DIGEST_PRIME
         correct, loss_sum, samples = (float(v) for v in sums.cpu())
-        return Totals(correct=correct, loss_sum=loss_sum, samples=int(samples),
-                      digest=f"{int(digest[0]):08x}-{int(digest[1]):08x}")
+        return Totals(
+            correct=correct,
+            loss_sum=loss_sum,
+            samples=int(samples),
+            digest=f"{int(digest[0]):08x}-{int(digest[1]):08x}",
+        )
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ def vit(num_classes: int, image_size: int) -> nn.Module:
             f"--image-size {image_size} is not divisible by the ViT patch size {patch}",
             "use an image size that is a multiple of 8, e.g. 32 or 64",
         )
-    return VisionTransformer(
+    model: nn.Module = VisionTransformer(
         image_size=image_size,
         patch_size=patch,
         num_layers=4,
@@ -29,6 +29,7 @@ def vit(num_classes: int, image_size: int) -> nn.Module:
         mlp_dim=256,
         num_classes=num_classes,
     )
+    return model
 
 
 def small_resnet18(num_classes: int, image_size: int) -> nn.Module:
@@ -36,7 +37,7 @@ def small_resnet18(num_classes: int, image_size: int) -> nn.Module:
     from torchvision.models import resnet18
 
     del image_size  # global average pooling makes it size-agnostic
-    model = resnet18(num_classes=num_classes)
+    model: nn.Module = resnet18(num_classes=num_classes)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()  # type: ignore[assignment]
     return model

@@ -63,8 +63,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
         for line in summary.console_lines():
             console.line(line)
         console.line("Training completed successfully.")
-        log.info("done", epochs=summary.epochs_run, stopped_early=summary.stopped_early,
-                 final_val_acc=summary.final_val_acc)
+        log.info(
+            "done", epochs=summary.epochs_run, stopped_early=summary.stopped_early, final_val_acc=summary.final_val_acc
+        )
     return EXIT_OK
-
-

@@ -47,7 +47,9 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     )
 
 
-def build_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_schedule(
+    cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up over ``--warmup-steps``, then cosine decay to zero at the last step.
 
     Defined on global optimizer steps, which do not depend on the world size.
@@ -135,8 +137,8 @@ class Trainer:
         x = images.to(self.device, non_blocking=True).float().div_(255.0).sub_(self._mean).div_(self._std)
         return x, labels.to(self.device, non_blocking=True)
 
-    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self._inputs(images, labels)
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on this rank's share of a global batch; DDP averages the gradients."""
         with self.precision.autocast():
             logits = self.model(x)
             loss = self.criterion(logits, y)
@@ -151,15 +153,16 @@ class Trainer:
     # ------------------------------------------------------------------ epochs
     def train_epoch(self, epoch: int) -> tuple[Totals, float]:
         """Train one epoch (from ``state.batch_in_epoch`` on); returns global sums and MAX time."""
-        self.model.train()
+        self.model.train()  # type: ignore[no-untyped-call]
         self.sampler.set_epoch(epoch, self.state.batch_in_epoch)
         sums = MetricSums(self.device)
         self.progress.start(f"Epoch {epoch + 1}/{self.cfg.epochs}", self.sampler.batches_per_epoch)
         start = time.perf_counter()
         for images, labels, indices in self.train_loader:
             self.faults.at_step(self.state.step + 1)
-            logits, loss = self.train_step(images, labels)
-            sums.add_batch(logits, labels.to(self.device, non_blocking=True), loss)
+            x, y = self._inputs(images, labels)
+            logits, loss = self.train_step(x, y)
+            sums.add_batch(logits, y, loss)
             sums.add_indices(indices)
             self.state.step += 1
             self.state.batch_in_epoch += 1
@@ -257,4 +260,3 @@ class Trainer:
             iterator = getattr(loader, "_iterator", None)
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
-

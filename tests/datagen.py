@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import zipfile
 from pathlib import Path
-
-import io
 
 import torch
 from PIL import Image

@@ -6,6 +6,7 @@ spawned (torchrun's workers, DataLoader workers) in one ``killpg``, on success, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,7 +33,11 @@ def free_port() -> int:
 
 
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTIC_TRAIN"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTIC_TRAIN"))
+    }
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     env.update(extra or {})
     return env
@@ -53,10 +58,8 @@ class Finished:
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def group_alive(pgid: int) -> bool:
@@ -71,15 +74,22 @@ def run(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = Non
     """Run to completion in a new session; on timeout kill the whole group and fail."""
     start = time.monotonic()
     proc = subprocess.Popen(
-        list(args), env=base_env(env), cwd=cwd or ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        list(args),
+        env=base_env(env),
+        cwd=cwd or ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
         out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out}\n--- stderr\n{err}") from None
+        raise AssertionError(
+            f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out}\n--- stderr\n{err}"
+        ) from None
     finally:
         leftovers = group_alive(proc.pid)
         kill_group(proc)  # reap anything the child left behind
@@ -90,27 +100,41 @@ def cli(args: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None
     return run([sys.executable, "-m", "elastic_train", *args], timeout, env)
 
 
-def torchrun(torchrun_args: Sequence[str], args: Sequence[str], timeout: float = 180,
-             env: Mapping[str, str] | None = None) -> Finished:
+def torchrun(
+    torchrun_args: Sequence[str], args: Sequence[str], timeout: float = 180, env: Mapping[str, str] | None = None
+) -> Finished:
     return run([str(BIN / "torchrun"), *torchrun_args, "-m", "elastic_train", *args], timeout, env)
 
 
 @contextmanager
-def ranks(world_size: int, args: Sequence[str], env: Mapping[str, str] | None = None) -> Iterator[list[subprocess.Popen[str]]]:
+def ranks(
+    world_size: int, args: Sequence[str], env: Mapping[str, str] | None = None
+) -> Iterator[list[subprocess.Popen[str]]]:
     """Start ``world_size`` plain processes with the env torchrun would set (no agent)."""
     port = free_port()
     procs = []
     try:
         for rank in range(world_size):
             rank_env = {
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
                 **(env or {}),
             }
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "elastic_train", *args], env=base_env(rank_env), cwd=ROOT,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "elastic_train", *args],
+                    env=base_env(rank_env),
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         yield procs
     finally:
         for proc in procs:

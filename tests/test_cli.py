@@ -29,8 +29,18 @@ def test_single_process_run_prints_the_seeds_lines_and_writes_logs(tmp_path: Pat
     metrics = read_jsonl(logs / "metrics.jsonl")
     assert [m["epoch"] for m in metrics] == [1, 2]
     for m in metrics:
-        assert {"epoch", "world_size", "train_loss", "train_acc", "val_loss", "val_acc", "epoch_time",
-                "throughput", "samples_seen", "sample_digest"} <= m.keys()
+        assert {
+            "epoch",
+            "world_size",
+            "train_loss",
+            "train_acc",
+            "val_loss",
+            "val_acc",
+            "epoch_time",
+            "throughput",
+            "samples_seen",
+            "sample_digest",
+        } <= m.keys()
         assert m["samples_seen"] == 32 * 3 and m["world_size"] == 1 and m["val_samples"] == 1024
     events = read_jsonl(logs / "rank-0.jsonl")
     assert {"rank", "world_size", "restart", "run_id"} <= events[0].keys()
@@ -49,7 +59,9 @@ def test_single_process_run_prints_the_seeds_lines_and_writes_logs(tmp_path: Pat
         (["--batch-size", "8192"], "fewer than one global batch"),
     ],
 )
-def test_bad_input_exits_2_with_the_fix_and_leaves_logs_untouched(tmp_path: Path, argv: list[str], problem: str) -> None:
+def test_bad_input_exits_2_with_the_fix_and_leaves_logs_untouched(
+    tmp_path: Path, argv: list[str], problem: str
+) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "metrics.jsonl").write_text('{"epoch": 1}\n')
@@ -69,14 +81,15 @@ def test_a_corrupt_zip_exits_2_naming_the_archive(tmp_path: Path) -> None:
 
 
 def test_amp_on_cpu_trains_in_bf16(tmp_path: Path) -> None:
-    done = cli(["--amp", "--batch-size", "16", "--max-steps-per-epoch", "2", "--epochs", "1", "--log-dir", str(tmp_path)])
+    args = ["--amp", "--dataset", "digits", "--batch-size", "16", "--max-steps-per-epoch", "2", "--epochs", "1"]
+    done = cli([*args, "--log-dir", str(tmp_path)])
     assert done.returncode == 0, done.output
     assert "precision: bf16" in done.stdout and "amp_on_cpu" in done.stderr
 
 
-@pytest.mark.parametrize(("model", "dataset"), [("resnet18", "synthetic"), ("vit", "digits")])
+@pytest.mark.parametrize(("model", "dataset"), [("resnet18", "digits"), ("vit", "digits")])
 def test_other_models_and_datasets_train(tmp_path: Path, model: str, dataset: str) -> None:
-    done = cli(["--model", model, "--dataset", dataset, "--batch-size", "8", "--max-steps-per-epoch", "2",
-                "--epochs", "1", "--optimizer", "sgd", "--log-dir", str(tmp_path)])
+    args = ["--model", model, "--dataset", dataset, "--batch-size", "8", "--max-steps-per-epoch", "2"]
+    done = cli([*args, "--epochs", "1", "--optimizer", "sgd", "--image-size", "16", "--log-dir", str(tmp_path)])
     assert done.returncode == 0, done.output
-    assert f"model: {model}" in done.stdout and f"dataset: {dataset}" in done.stdout
+    assert f"model: {model}" in done.stdout and f"dataset: {dataset}" in done.stdout and "16px" in done.stdout

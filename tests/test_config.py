@@ -20,8 +20,10 @@ def test_defaults_train_something_real_without_flags() -> None:
 
 def test_the_seeds_flags_parse_with_the_seeds_meaning() -> None:
     cfg = parse_config(
-        "--model resnet18 --dataset tiny-imagenet --data-dir /d --batch-size 1024 --epochs 100 --optimizer sgd "
-        "--base-lr 0.0003 --target-accuracy 0.95 --patience 2 --seed 7 --num-workers 8 --amp".split()
+        (
+            "--model resnet18 --dataset tiny-imagenet --data-dir /d --batch-size 1024 --epochs 100 --optimizer sgd "
+            "--base-lr 0.0003 --target-accuracy 0.95 --patience 2 --seed 7 --num-workers 8 --amp"
+        ).split()
     )
     assert cfg.model == "resnet18" and cfg.dataset == "tiny-imagenet" and cfg.data_dir == Path("/d")
     assert (cfg.batch_size, cfg.epochs, cfg.base_lr, cfg.patience, cfg.seed) == (1024, 100, 0.0003, 2, 7)
@@ -64,8 +66,15 @@ def test_global_batch_must_split_evenly_over_the_world(batch: int, world: int, h
 
 def test_env_is_read_once_from_torchrun_variables() -> None:
     env = DistEnv.from_environ(
-        {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-         "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7"}
+        {
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+            "TORCHELASTIC_RUN_ID": "job7",
+        }
     )
     assert (env.rank, env.local_rank, env.world_size, env.node_rank, env.restart_count) == (3, 1, 4, 1, 2)
     assert env.run_id == "job7" and env.launched and not env.is_main and env.is_distributed

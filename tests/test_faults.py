@@ -18,7 +18,9 @@ def test_grammar() -> None:
     assert parse_faults("") == []
 
 
-@pytest.mark.parametrize("spec", ["explode:rank=0:step=1", "kill:rank=0", "kill:rank=a:step=1", "kill:step=0:rank=0", "kill:rank"])
+@pytest.mark.parametrize(
+    "spec", ["explode:rank=0:step=1", "kill:rank=0", "kill:rank=a:step=1", "kill:step=0:rank=0", "kill:rank"]
+)
 def test_bad_specs_are_usage_errors(spec: str) -> None:
     with pytest.raises(UsageError, match="ELASTIC_TRAIN_FAULTS"):
         parse_faults(spec)

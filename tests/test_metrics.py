@@ -36,7 +36,7 @@ def test_digest_ignores_order_and_batching(indices: list[int], chunks: int, rnd:
 def test_digest_changes_when_a_sample_is_skipped_or_repeated(indices: list[int], data: st.DataObject) -> None:
     i = data.draw(st.integers(0, len(indices) - 1))
     assert digest_of(indices[:i] + indices[i + 1 :]) != digest_of(indices), "a skipped sample went unnoticed"
-    assert digest_of(indices + [indices[i]]) != digest_of(indices), "a repeated sample went unnoticed"
+    assert digest_of([*indices, indices[i]]) != digest_of(indices), "a repeated sample went unnoticed"
     # Skipping one sample and repeating another (same count) must also show.
     j = (i + 1) % len(indices)
     assert digest_of(indices[:i] + indices[i + 1 :] + [indices[j]]) != digest_of(indices)

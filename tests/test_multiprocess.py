@@ -29,7 +29,11 @@ def test_two_rank_metrics_equal_the_single_process_computation(tmp_path: Path) -
     assert len(single) == len(double) == 2
     for a, b in zip(single, double, strict=True):
         # Same samples, same count: the global batch sequence does not depend on the world size.
-        assert (a["samples_seen"], a["sample_digest"], a["val_samples"]) == (b["samples_seen"], b["sample_digest"], b["val_samples"])
+        assert (a["samples_seen"], a["sample_digest"], a["val_samples"]) == (
+            b["samples_seen"],
+            b["sample_digest"],
+            b["val_samples"],
+        )
         assert b["world_size"] == 2
         for key in ("train_loss", "train_acc", "val_loss", "val_acc"):
             assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-5), (key, a[key], b[key])
@@ -38,8 +42,18 @@ def test_two_rank_metrics_equal_the_single_process_computation(tmp_path: Path) -
 
 
 def test_early_stop_on_target_makes_every_rank_leave_in_the_same_epoch(tmp_path: Path) -> None:
-    args = ["--batch-size", "32", "--max-steps-per-epoch", "3", "--epochs", "5", "--target-accuracy", "0.01",
-            "--log-dir", str(tmp_path)]
+    args = [
+        "--batch-size",
+        "32",
+        "--max-steps-per-epoch",
+        "3",
+        "--epochs",
+        "5",
+        "--target-accuracy",
+        "0.01",
+        "--log-dir",
+        str(tmp_path),
+    ]
     with ranks(2, args) as procs:
         results = wait_all(procs, timeout=150)
     assert [r.returncode for r in results] == [0, 0]
@@ -49,8 +63,22 @@ def test_early_stop_on_target_makes_every_rank_leave_in_the_same_epoch(tmp_path:
 
 def test_early_stop_on_patience_makes_every_rank_leave_in_the_same_epoch(tmp_path: Path) -> None:
     # A learning rate of 1e-12 all but freezes the model, so val accuracy soon stops improving.
-    args = ["--batch-size", "32", "--max-steps-per-epoch", "2", "--epochs", "8", "--target-accuracy", "1.0",
-            "--patience", "1", "--base-lr", "1e-12", "--log-dir", str(tmp_path)]
+    args = [
+        "--batch-size",
+        "32",
+        "--max-steps-per-epoch",
+        "2",
+        "--epochs",
+        "8",
+        "--target-accuracy",
+        "1.0",
+        "--patience",
+        "1",
+        "--base-lr",
+        "1e-12",
+        "--log-dir",
+        str(tmp_path),
+    ]
     with ranks(2, args) as procs:
         results = wait_all(procs, timeout=150)
     assert [r.returncode for r in results] == [0, 0]
@@ -58,7 +86,9 @@ def test_early_stop_on_patience_makes_every_rank_leave_in_the_same_epoch(tmp_pat
     stopper = EarlyStopper(target_accuracy=1.0, patience=1)
     expected = next(e for e, acc in enumerate(accuracies, start=1) if stopper.update(acc))
     assert expected == len(accuracies) < 8, accuracies
-    assert re.search(rf"Early stopping at epoch {expected}: no val_acc improvement over \S+ for 1 epoch", results[0].stdout)
+    assert re.search(
+        rf"Early stopping at epoch {expected}: no val_acc improvement over \S+ for 1 epoch", results[0].stdout
+    )
     assert [events(tmp_path, r, "done")[0]["epochs"] for r in (0, 1)] == [expected, expected]
 
 
@@ -86,8 +116,16 @@ def test_bad_world_size_fit_exits_2_on_every_rank_with_one_message(tmp_path: Pat
 
 def test_corrupt_data_on_rank_0_makes_every_rank_exit_2_without_a_hang(tmp_path: Path) -> None:
     (tmp_path / "tiny-imagenet-200.zip").write_bytes(b"garbage" * 100)
-    args = ["--dataset", "tiny-imagenet", "--data-dir", str(tmp_path), "--batch-size", "4",
-            "--log-dir", str(tmp_path / "logs")]
+    args = [
+        "--dataset",
+        "tiny-imagenet",
+        "--data-dir",
+        str(tmp_path),
+        "--batch-size",
+        "4",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     with ranks(2, args) as procs:
         results = wait_all(procs, timeout=60)
     assert [r.returncode for r in results] == [2, 2]

@@ -67,7 +67,9 @@ def test_global_batches_are_identical_for_every_world_size(layout: tuple[int, ..
 
 
 @given(layouts(), st.data())
-def test_resume_at_any_step_and_any_world_size_covers_the_epoch_exactly_once(layout: tuple[int, ...], data: st.DataObject) -> None:
+def test_resume_at_any_step_and_any_world_size_covers_the_epoch_exactly_once(
+    layout: tuple[int, ...], data: st.DataObject
+) -> None:
     n, g, w, seed, epoch = layout
     steps = n // g
     cut = data.draw(st.integers(0, steps), label="batches consumed before the restart")

@@ -31,19 +31,38 @@ def test_torchrun_two_processes_prints_the_seeds_lines(tmp_path: Path) -> None:
 
 def test_torchrun_on_a_tiny_imagenet_zip_extracts_once_on_rank_0(tmp_path: Path) -> None:
     tiny_imagenet_zip(tmp_path / "data")
-    args = ["--dataset", "tiny-imagenet", "--data-dir", str(tmp_path / "data"), "--batch-size", "8",
-            "--epochs", "1", "--log-dir", str(tmp_path / "logs"), "--num-workers", "1"]
+    args = [
+        "--dataset",
+        "tiny-imagenet",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--batch-size",
+        "8",
+        "--epochs",
+        "1",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--num-workers",
+        "1",
+    ]
     done = torchrun(STANDALONE_2, args)
     assert done.returncode == 0, done.output
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["build", "tiny-imagenet-200", "tiny-imagenet-200.zip"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        "build",
+        "tiny-imagenet-200",
+        "tiny-imagenet-200.zip",
+    ]
     assert "dataset: tiny-imagenet (24 train / 9 val, 3 classes, 64px)" in done.stdout
     (metrics,) = read_jsonl(tmp_path / "logs" / "metrics.jsonl")
     assert metrics["samples_seen"] == 24 and metrics["val_samples"] == 9
 
 
 def test_a_crash_under_torchrun_names_the_rank_and_the_exception(tmp_path: Path) -> None:
-    done = torchrun([*STANDALONE_2, "--max-restarts=0"], [*QUICK, "--log-dir", str(tmp_path)],
-                    env={"ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=2"})
+    done = torchrun(
+        [*STANDALONE_2, "--max-restarts=0"],
+        [*QUICK, "--log-dir", str(tmp_path)],
+        env={"ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=2"},
+    )
     assert done.returncode != 0
     # torchrun's failure summary, fed by @record's error file.
     assert "Root Cause" in done.stderr and "rank      : 1" in done.stderr, done.stderr[-3000:]

@@ -88,7 +88,7 @@ def _init(env: DistEnv, placement: Placement, timeout: datetime.timedelta) -> No
     else:
         dist.init_process_group(
             placement.backend,
-            store=dist.HashStore(),
+            store=dist.HashStore(),  # type: ignore[attr-defined]
             rank=0,
             world_size=1,
             timeout=timeout,

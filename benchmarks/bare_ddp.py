@@ -1,0 +1,62 @@
+"""The baseline for benchmarks/overhead.py: the seed's bare DDP loop, nothing else.
+
+Same model, data, global batch and optimizer as elastic-train's defaults; a DistributedSampler
+and a DataLoader over the in-memory tensors; per-epoch training time MAX-reduced over ranks.
+Run under torchrun; prints one JSON line per epoch on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from elastic_train.data.synthetic import synthetic
+from elastic_train.models import build_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    bundle = synthetic()
+    torch.manual_seed(42)
+    model = DistributedDataParallel(build_model("vit", bundle.num_classes, bundle.image_size))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    data = TensorDataset(bundle.train.images, bundle.train.labels)
+    sampler = DistributedSampler(data, shuffle=True, seed=42, drop_last=True)
+    loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        images = 0
+        start = time.perf_counter()
+        for step, (x, y) in enumerate(loader):
+            if step == args.steps:
+                break
+            x = (x.float() / 255 - 0.5) / 0.5
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            images += x.shape[0] * world
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(json.dumps({"epoch": epoch + 1, "throughput": images / elapsed.item()}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+# shellcheck shell=bash
+# Shared helpers for the elastic-train job scripts. Source it; it defines functions only.
+#
+# Knobs (environment):
+#   ET_RUNTIME    venv (default) | module | container  - how python/torchrun are found
+#   ET_VENV       virtual environment for "venv" (default: $ET_PROJECT_DIR/.venv)
+#   ET_MODULES    space-separated modules for "module", e.g. "PyTorch/2.14.1-foss-2025a-CUDA-13.0"
+#   ET_CONTAINER  Apptainer image for "container", e.g. /cluster/work/support/container/pytorch_nvidia_25.05_arm64.sif
+#   ET_GPU_LOG    nvidia-smi CSV log (default: $ET_LOG_DIR/gpu-$SLURM_JOB_ID.csv)
+
+et_log() { printf '[elastic-train %(%F %T)T] %s\n' -1 "$*" >&2; }
+et_die() { et_log "ERROR: $*"; exit 2; }
+
+# Fill the global array ET_RUN with the prefix that runs a command in the chosen runtime.
+# shellcheck disable=SC2034  # ET_RUN is read by the scripts that source this file
+et_setup_runtime() {
+  ET_RUN=()
+  case "${ET_RUNTIME:-venv}" in
+    venv)
+      local venv=${ET_VENV:-$ET_PROJECT_DIR/.venv}
+      [ -x "$venv/bin/torchrun" ] || et_die "no torchrun in $venv (run 'make demo' once, or set ET_VENV)"
+      PATH="$venv/bin:$PATH"; export PATH
+      ;;
+    module)
+      command -v module >/dev/null 2>&1 || et_die "ET_RUNTIME=module but the 'module' command is missing"
+      local m
+      for m in ${ET_MODULES:?ET_RUNTIME=module needs ET_MODULES}; do module load "$m"; done
+      if [ -n "${ET_VENV:-}" ]; then PATH="$ET_VENV/bin:$PATH"; export PATH; fi
+      ;;
+    container)
+      [ -f "${ET_CONTAINER:-}" ] || et_die "ET_RUNTIME=container needs ET_CONTAINER pointing at an .sif image"
+      ET_RUN=(apptainer exec --nv --bind "$ET_PROJECT_DIR" --pwd "$ET_PROJECT_DIR" "$ET_CONTAINER")
+      ;;
+    *) et_die "ET_RUNTIME=${ET_RUNTIME} is not venv, module or container" ;;
+  esac
+}
+
+et_gpus_on_node() {
+  local n=${SLURM_GPUS_ON_NODE:-0}
+  case $n in ''|*[!0-9]*) n=0 ;; esac
+  echo "$n"
+}
+
+# Start the seed's background GPU monitor (CSV every 5 s) when GPUs exist; sets ET_MONITOR_PID.
+et_start_gpu_monitor() {
+  ET_MONITOR_PID=""
+  if [ "$(et_gpus_on_node)" -gt 0 ] && command -v nvidia-smi >/dev/null 2>&1; then
+    local log=${ET_GPU_LOG:-$ET_LOG_DIR/gpu-${SLURM_JOB_ID:-local}.csv}
+    mkdir -p "$(dirname "$log")"
+    nvidia-smi --query-gpu=timestamp,index,name,utilization.gpu,utilization.memory,memory.total,memory.used \
+      --format=csv -l 5 >>"$log" &
+    ET_MONITOR_PID=$!
+    et_log "GPU monitor (pid $ET_MONITOR_PID) logging to $log"
+  fi
+}
+
+# Stop the monitor by its PID (idempotent; called from the EXIT trap on every exit path).
+et_stop_gpu_monitor() {
+  if [ -n "${ET_MONITOR_PID:-}" ] && kill -0 "$ET_MONITOR_PID" 2>/dev/null; then
+    et_log "stopping GPU monitor (pid $ET_MONITOR_PID)"
+    kill "$ET_MONITOR_PID" 2>/dev/null || true
+    wait "$ET_MONITOR_PID" 2>/dev/null || true
+  fi
+  ET_MONITOR_PID=""
+}

