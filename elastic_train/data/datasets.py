@@ -1,0 +1,149 @@
+"""Dataset containers and the train/eval views the loaders read.
+
+Every dataset yields ``uint8`` images of shape ``[3, S, S]``; conversion to float and
+normalisation happen on the training device (cheaper to move bytes than floats). Items carry
+their dataset index so the trainer can prove which samples it trained on.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+Sample = tuple[torch.Tensor, int, int]  # (uint8 image [3,S,S], label, dataset index)
+
+
+class ImageSource:
+    """Random access to ``(image, label)`` by index."""
+
+    num_classes: int
+    image_size: int
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        raise NotImplementedError
+
+
+class TensorImages(ImageSource):
+    """Images held in memory as one ``uint8`` tensor ``[N, 3, S, S]``."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int) -> None:
+        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(f"expected uint8 [N,3,S,S] images, got {images.dtype} {tuple(images.shape)}")
+        if images.shape[0] != labels.shape[0]:
+            raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
+        self.images = images
+        self.labels = labels
+        self.num_classes = num_classes
+        self.image_size = images.shape[-1]
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.labels[index])
+
+
+class FileImages(ImageSource):
+    """Images decoded from files on demand (JPEG/PNG), resized to ``image_size`` squares."""
+
+    def __init__(self, files: Sequence[Path], labels: Sequence[int], num_classes: int, image_size: int) -> None:
+        if len(files) != len(labels):
+            raise ValueError(f"{len(files)} files but {len(labels)} labels")
+        self.files = list(files)
+        self.labels = list(labels)
+        self.num_classes = num_classes
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        path = self.files[index]
+        try:
+            with Image.open(path) as opened:
+                img = opened.convert("RGB")
+        except (OSError, UnidentifiedImageError) as exc:
+            raise RuntimeError(f"cannot decode image {path}: {exc}") from exc
+        if img.size != (self.image_size, self.image_size):
+            img = img.resize((self.image_size, self.image_size), Image.Resampling.BILINEAR)
+        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous(), self.labels[index]
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Random crop (zero padding ``pad``) and optional horizontal flip, per sample.
+
+    The randomness is a pure function of ``(seed, epoch, index)``: the same sample gets the same
+    augmentation in the same epoch whichever rank, worker or world size loads it, which keeps
+    resumed and re-sized runs exact.
+    """
+
+    seed: int
+    pad: int = 4
+    flip: bool = True
+
+    def __call__(self, img: torch.Tensor, epoch: int, index: int) -> torch.Tensor:
+        rng = random.Random((self.seed * 1_000_003 + epoch) * 1_000_003 + index)
+        if self.pad:
+            size = img.shape[-1]
+            padded = F.pad(img, (self.pad,) * 4)
+            top, left = rng.randint(0, 2 * self.pad), rng.randint(0, 2 * self.pad)
+            img = padded[:, top : top + size, left : left + size]
+        if self.flip and rng.random() < 0.5:
+            img = img.flip(-1)
+        return img.contiguous()
+
+
+class TrainView(Dataset[Sample]):
+    """Training items keyed by ``(epoch, index)`` as yielded by ``GlobalBatchSampler``."""
+
+    def __init__(self, source: ImageSource, augment: Augment | None) -> None:
+        self.source = source
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: tuple[int, int]) -> Sample:
+        epoch, index = key
+        img, label = self.source.load(index)
+        if self.augment is not None:
+            img = self.augment(img, epoch, index)
+        return img, label, index
+
+
+class EvalView(Dataset[Sample]):
+    def __init__(self, source: ImageSource) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> Sample:
+        img, label = self.source.load(index)
+        return img, label, index
+
+
+@dataclass(frozen=True)
+class DataBundle:
+    """A dataset ready for the loaders: sources, augmentation and normalisation constants."""
+
+    name: str
+    train: ImageSource
+    val: ImageSource
+    num_classes: int
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    augment: Augment | None = None
