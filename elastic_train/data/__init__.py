@@ -7,8 +7,8 @@ the same ``DataError`` instead of leaving its peers hanging in the first collect
 
 from __future__ import annotations
 
-import torch.distributed as dist
 import structlog
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from elastic_train.config import TrainConfig
@@ -75,8 +75,14 @@ def build_data(cfg: TrainConfig, env: DistEnv) -> DataBundle:
     if first is not None:
         raise DataError(first)
     assert bundle is not None
-    log.info("dataset_ready", dataset=bundle.name, train=len(bundle.train), val=len(bundle.val),
-             classes=bundle.num_classes, image_size=bundle.image_size)
+    log.info(
+        "dataset_ready",
+        dataset=bundle.name,
+        train=len(bundle.train),
+        val=len(bundle.val),
+        classes=bundle.num_classes,
+        image_size=bundle.image_size,
+    )
     return bundle
 
 

@@ -96,9 +96,7 @@ class GlobalBatchSampler:
         return self.batches_per_epoch - self.start_batch
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        batches = global_batches(
-            self.num_samples, self.global_batch, self.seed, self.epoch, self.max_steps_per_epoch
-        )
+        batches = global_batches(self.num_samples, self.global_batch, self.seed, self.epoch, self.max_steps_per_epoch)
         for b in range(self.start_batch, batches.shape[0]):
             mine = rank_slice(batches[b], self.world_size, self.rank)
             yield [(self.epoch, int(i)) for i in mine]
