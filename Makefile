@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 ## The main job: 2 CPU processes under torchrun on the built-in dataset; stops early on target.
+## Each demo starts fresh: it clears its own log and checkpoint folders first.
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m elastic_train --log-dir logs/demo
+	rm -rf logs/demo checkpoints/demo
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m elastic_train --log-dir logs/demo --checkpoint-dir checkpoints/demo
 
 ## The whole test suite: unit + hypothesis, multi-process gloo, real torchrun runs.
 test: $(STAMP) lint

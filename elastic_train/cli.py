@@ -90,6 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ours.add_argument("--weight-decay", type=float, default=d.weight_decay)
     ours.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--checkpoint-dir", type=Path, default=d.checkpoint_dir)
+    ck.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        help="also save every N optimizer steps (0: only at epoch ends, the end and on preemption)",
+    )
+    ck.add_argument(
+        "--checkpoint-every-seconds",
+        type=float,
+        default=d.checkpoint_every_seconds,
+        help="also save when this many seconds passed since the last save (0: off)",
+    )
+    ck.add_argument("--keep-last", type=int, default=d.keep_last, help="committed checkpoints to keep (>= 2)")
+    ck.add_argument(
+        "--resume",
+        default=d.resume,
+        help="auto: continue from <checkpoint-dir>/latest if any; never: start fresh; or a folder",
+    )
+    ck.add_argument(
+        "--async-checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=d.async_checkpoint,
+        help="write checkpoints in a background thread (default) or synchronously",
+    )
     return p
 
 

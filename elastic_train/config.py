@@ -44,6 +44,13 @@ class TrainConfig:
     threads: int = 0  # 0: cores // local processes, unless OMP_NUM_THREADS is set
     weight_decay: float = 0.05
     warmup_steps: int = 0
+    # Checkpoints (see docs/checkpoint-format.md).
+    checkpoint_dir: Path = field(default_factory=lambda: Path("checkpoints"))
+    checkpoint_every: int = 0  # steps; 0: at epoch ends only
+    checkpoint_every_seconds: float = 0.0  # 0: off
+    keep_last: int = 3
+    resume: str = "auto"  # auto | never | PATH
+    async_checkpoint: bool = True
 
     def __post_init__(self) -> None:
         self._check_choice("--model", self.model, MODELS)
@@ -79,6 +86,17 @@ class TrainConfig:
             raise UsageError(f"--weight-decay {self.weight_decay} must be >= 0", "pass e.g. 0.05")
         if self.warmup_steps < 0:
             raise UsageError(f"--warmup-steps {self.warmup_steps} must be >= 0", "pass 0 for no warm-up")
+        if self.checkpoint_every < 0:
+            raise UsageError(f"--checkpoint-every {self.checkpoint_every} must be >= 0", "pass steps, or 0")
+        if self.checkpoint_every_seconds < 0:
+            raise UsageError(
+                f"--checkpoint-every-seconds {self.checkpoint_every_seconds} must be >= 0", "pass seconds, or 0"
+            )
+        if self.keep_last < 2:
+            raise UsageError(
+                f"--keep-last {self.keep_last} must be >= 2",
+                "keep at least 2 so a corrupt newest checkpoint still leaves one to fall back on",
+            )
         if self.dataset in DATASETS_NEEDING_DIR and self.data_dir is None:
             raise UsageError(
                 f"--dataset {self.dataset} needs --data-dir",
@@ -104,6 +122,19 @@ class TrainConfig:
                 f"use a multiple of {world_size}, e.g. {lower} or {lower + world_size}",
             )
         return self.batch_size // world_size
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Settings a resumed run must share with its checkpoint: they define the model's shape
+        and the order of the data (the global batch sequence)."""
+        return {
+            "model": self.model,
+            "dataset": self.dataset,
+            "image_size": self.image_size,
+            "batch_size": self.batch_size,
+            "optimizer": self.optimizer,
+            "seed": self.seed,
+            "max_steps_per_epoch": self.max_steps_per_epoch,
+        }
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

@@ -49,6 +49,10 @@ class MetricSums:
         self.digest[0] = (self.digest[0] + idx.sum()) % DIGEST_PRIME
         self.digest[1] = (self.digest[1] + (idx * idx % DIGEST_PRIME).sum()) % DIGEST_PRIME
 
+    def add_digest(self, other: torch.Tensor) -> None:
+        """Fold in another digest (e.g. the partial epoch of a rank that no longer exists)."""
+        self.digest[:] = (self.digest + other.to(torch.int64)) % DIGEST_PRIME
+
     def reduce(self) -> Totals:
         """All-reduce (SUM) across ranks. Collective: every rank must call it."""
         sums = all_reduce_sum(self.sums.clone())

@@ -13,10 +13,11 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train import __version__
+from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Loaded
 from elastic_train.config import TrainConfig
 from elastic_train.data import build_data
 from elastic_train.distributed.env import DistEnv
-from elastic_train.distributed.process_group import Placement, choose_placement, process_group
+from elastic_train.distributed.process_group import ControlPlane, Placement, choose_placement, process_group
 from elastic_train.errors import EXIT_OK
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, attach_rank_log
@@ -43,23 +44,66 @@ def _tune_cuda(placement: Placement) -> None:
         torch.set_float32_matmul_precision("high")
 
 
+def checkpoint_config(cfg: TrainConfig) -> CheckpointConfig:
+    return CheckpointConfig(
+        root=cfg.checkpoint_dir,
+        every_steps=cfg.checkpoint_every,
+        every_seconds=cfg.checkpoint_every_seconds,
+        keep_last=cfg.keep_last,
+        resume=cfg.resume,
+        async_save=cfg.async_checkpoint,
+    )
+
+
+def _announce_resume(console: Console, loaded: Loaded) -> None:
+    m = loaded.manifest
+    console.line(f"Resumed from {loaded.folder} at epoch {m.epoch + 1}, step {m.step}")
+    log.info(
+        "resumed",
+        path=str(loaded.folder),
+        epoch=m.epoch,
+        step=m.step,
+        batch_in_epoch=m.batch_in_epoch,
+        saved_world_size=m.world_size,
+    )
+
+
 @record
 def train(cfg: TrainConfig, env: DistEnv) -> int:
     placement = choose_placement(cfg.device, env)
     threads = configure_threads(cfg, env)
-    faults = FaultInjector.from_environ(env.rank, cfg.log_dir / "faults")
+    # Fault markers sit beside the checkpoints: a fault fires once per run, across restarts.
+    faults = FaultInjector.from_environ(env.rank, cfg.checkpoint_dir / ".faults")
     _tune_cuda(placement)
+    console = Console(env)
     with process_group(env, placement, cfg.collective_timeout):
+        control = ControlPlane(placement)
         bundle = build_data(cfg, env)
-        attach_rank_log(cfg.log_dir, env)
-        log.info("start", **{"threads": threads, "device": str(placement.device), "version": __version__})
-        trainer = Trainer(cfg, env, placement, bundle, faults)
+        checkpointer = Checkpointer(checkpoint_config(cfg), env, faults, cfg.fingerprint(), control.group)
+        checkpointer.start()
         try:
-            summary = trainer.fit()
+            loaded = checkpointer.resume()
+            attach_rank_log(cfg.log_dir, env)
+            log.info("start", threads=threads, device=str(placement.device), version=__version__)
+            if loaded is not None and loaded.manifest.finished:
+                console.line(
+                    f"Training already finished: {loaded.folder} (epoch {loaded.manifest.epoch}); nothing to do."
+                )
+                console.line("Training completed successfully.")
+                return EXIT_OK
+            trainer = Trainer(cfg, env, placement, bundle, faults, checkpointer, control)
+            if loaded is not None:
+                trainer.restore(loaded)
+                checkpointer.last_committed_step = loaded.manifest.step
+                _announce_resume(console, loaded)
+                del loaded
+            try:
+                summary = trainer.fit()
+            finally:
+                trainer.close()
+                del trainer  # the DDP wrapper holds the process group: drop it before the teardown
         finally:
-            trainer.close()
-            del trainer  # the DDP wrapper holds the process group: drop it before the teardown
-        console = Console(env)
+            checkpointer.close()
         for line in summary.console_lines():
             console.line(line)
         console.line("Training completed successfully.")

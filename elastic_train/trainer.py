@@ -16,12 +16,15 @@ import numpy as np
 import structlog
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic_train.checkpoint.manager import Checkpointer, Loaded, Snapshot
+from elastic_train.checkpoint.state import MODEL, capture_rng, flatten, rank_items, restore_rng, unflatten
 from elastic_train.config import TrainConfig
 from elastic_train.data import DataBundle, make_loaders
 from elastic_train.distributed.env import DistEnv
-from elastic_train.distributed.process_group import Placement, all_reduce_max
+from elastic_train.distributed.process_group import ControlPlane, Placement, all_reduce_max
 from elastic_train.early_stop import EarlyStopper, decide_stop
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, file_only
@@ -103,8 +106,12 @@ class Trainer:
         placement: Placement,
         bundle: DataBundle,
         faults: FaultInjector,
+        checkpointer: Checkpointer | None = None,
+        control: ControlPlane | None = None,
     ) -> None:
         self.cfg, self.env, self.placement, self.bundle = cfg, env, placement, bundle
+        self.checkpointer = checkpointer
+        self.control = control
         self.device = placement.device
         self.console = Console(env)
         self.metrics_file = MetricsFile(cfg.log_dir, env)
@@ -128,6 +135,9 @@ class Trainer:
         self.precision: Precision = choose_precision(cfg.amp, self.device)
         self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
         self.state = TrainState()
+        # A partly trained epoch restored from a checkpoint: its metric sums and time so far.
+        self._resumed_sums: MetricSums | None = None
+        self._resumed_elapsed = 0.0
         shape = (1, 3, 1, 1)
         self._mean = torch.tensor(bundle.mean, device=self.device).view(shape)
         self._std = torch.tensor(bundle.std, device=self.device).view(shape)
@@ -145,6 +155,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.precision.scaler
         scaler.scale(loss).backward()
+        if self.checkpointer is not None:
+            self.checkpointer.wait_staged()  # an async save may still be copying the weights
         scaler.step(self.optimizer)
         scaler.update()
         self.scheduler.step()
@@ -155,7 +167,8 @@ class Trainer:
         """Train one epoch (from ``state.batch_in_epoch`` on); returns global sums and MAX time."""
         self.model.train()  # type: ignore[no-untyped-call]
         self.sampler.set_epoch(epoch, self.state.batch_in_epoch)
-        sums = MetricSums(self.device)
+        sums, prior = self._resumed_sums or MetricSums(self.device), self._resumed_elapsed
+        self._resumed_sums, self._resumed_elapsed = None, 0.0
         self.progress.start(f"Epoch {epoch + 1}/{self.cfg.epochs}", self.sampler.batches_per_epoch)
         start = time.perf_counter()
         for images, labels, indices in self.train_loader:
@@ -167,17 +180,108 @@ class Trainer:
             self.state.step += 1
             self.state.batch_in_epoch += 1
             self.progress.update(self.state.batch_in_epoch)
+            self._step_boundary(sums, prior + time.perf_counter() - start)
         if self.placement.is_cuda:
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        elapsed = prior + time.perf_counter() - start
         self.progress.close()
         return sums.reduce(), all_reduce_max(elapsed, self.device)
+
+    def _step_boundary(self, sums: MetricSums, elapsed: float) -> None:
+        """Between two steps: commit a finished async save, start a due one. Collective."""
+        ck = self.checkpointer
+        if ck is None or self.control is None:
+            return
+        time_due, not_done = False, False
+        if ck.cfg.every_seconds > 0 or ck.pending:
+            time_due, not_done = self.control.agree(self.env.is_main and ck.due_by_time(), not ck.local_done())
+        if ck.pending and not not_done:
+            ck.commit_pending()
+        # On an epoch's last batch the epoch-end checkpoint (after evaluation) comes next instead.
+        epoch_done = self.state.batch_in_epoch >= self.sampler.batches_per_epoch
+        if (ck.due_by_step(self.state.step) or time_due) and not epoch_done:
+            ck.save(self.snapshot(sums, elapsed), sync=not self.cfg.async_checkpoint)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def snapshot(self, sums: MetricSums | None = None, elapsed: float = 0.0, finished: bool = False) -> Snapshot:
+        """Everything needed to continue exactly from this step boundary."""
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        replicated, optim_meta = flatten(model_sd, optim_sd)
+        # Buffers (BatchNorm statistics) change in the next forward pass, before the async
+        # save's copy is guaranteed done: clone them now (they are small).
+        for name, _ in self.module.named_buffers():
+            if MODEL + name in replicated:
+                replicated[MODEL + name] = replicated[MODEL + name].clone()
+        sums = sums or MetricSums(self.device)
+        per_rank = capture_rng(self.device)
+        per_rank.update(
+            {
+                "metrics.train_sums": sums.sums,
+                "metrics.train_digest": sums.digest,
+                "metrics.elapsed": torch.tensor([elapsed], dtype=torch.float64),
+            }
+        )
+        trainer = {
+            **optim_meta,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.precision.scaler.state_dict(),
+            "early_stop": self.stopper.state(),
+            "history": [r.to_json() for r in self.state.history],
+        }
+        return Snapshot(
+            step=self.state.step,
+            epoch=self.state.epoch,
+            batch_in_epoch=self.state.batch_in_epoch,
+            replicated=replicated,
+            per_rank=per_rank,
+            trainer=trainer,
+            fingerprint=self.cfg.fingerprint(),
+            config=self.cfg.to_json(),
+            finished=finished,
+        )
+
+    def restore(self, loaded: Loaded) -> None:
+        """Continue from ``loaded``: same world size exactly; another size from the same global batch."""
+        m = loaded.manifest
+        model_sd, optim_sd = unflatten(loaded.tensors, m.trainer)
+        set_state_dict(self.module, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        self.scheduler.load_state_dict(m.trainer["scheduler"])
+        if m.trainer.get("scaler"):
+            self.precision.scaler.load_state_dict(m.trainer["scaler"])
+        for key, value in m.trainer["early_stop"].items():
+            setattr(self.stopper, key, value)
+        self.stopper.target_accuracy, self.stopper.patience = self.cfg.target_accuracy, self.cfg.patience
+        self.state = TrainState(m.epoch, m.step, m.batch_in_epoch, [EpochRecord(**r) for r in m.trainer["history"]])
+        self._restore_rank_state(loaded)
+
+    def _restore_rank_state(self, loaded: Loaded) -> None:
+        sums = MetricSums(self.device)
+        old_world = loaded.manifest.world_size
+        if old_world == self.env.world_size:
+            mine = rank_items(loaded.tensors, self.env.rank)
+            restore_rng(mine, self.device)
+            sums.sums.copy_(mine["metrics.train_sums"])
+            sums.digest.copy_(mine["metrics.train_digest"])
+            self._resumed_elapsed = float(mine["metrics.elapsed"])
+        else:
+            # Per-rank streams cannot be split or merged: reseed, and let rank 0 carry the
+            # partial epoch's sums (they are all-reduced at the epoch end anyway).
+            seed_everything(self.cfg.seed + self.env.rank + 7919 * loaded.manifest.step)
+            old = [rank_items(loaded.tensors, r) for r in range(old_world)]
+            if self.env.is_main:
+                for part in old:
+                    sums.sums += part["metrics.train_sums"].to(self.device)
+                    sums.add_digest(part["metrics.train_digest"])
+            self._resumed_elapsed = max(float(part["metrics.elapsed"]) for part in old)
+        self._resumed_sums = sums
 
     @torch.no_grad()
     def evaluate(self) -> Totals:
         """Exact validation: each sample once (disjoint shards, no padding), SUM-reduced."""
         # Eval runs the bare module (shards may differ in length: no DDP collectives here);
         # rank 0's buffers (e.g. BatchNorm statistics) are made everyone's first.
+        if self.checkpointer is not None:
+            self.checkpointer.wait_staged()
         for buffer in self.module.buffers():
             torch.distributed.broadcast(buffer, src=0)
         self.module.eval()
@@ -238,7 +342,17 @@ class Trainer:
             stopped_early = decide_stop(self.stopper, record.val_acc, self.env.is_main, self.device)
             if stopped_early:
                 self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
+            self._save_epoch_end(finished=stopped_early or self.state.epoch >= self.cfg.epochs)
         return self._summary(time.perf_counter() - wall_start, stopped_early)
+
+    def _save_epoch_end(self, finished: bool) -> None:
+        """Every epoch end is a checkpoint; the last one is written synchronously."""
+        ck = self.checkpointer
+        if ck is None:
+            return
+        committed = ck.save(self.snapshot(finished=finished), sync=finished or not self.cfg.async_checkpoint)
+        if finished and not committed:
+            log.error("final_checkpoint_failed", step=self.state.step, detail="the newest committed one is older")
 
     def _summary(self, wall: float, stopped_early: bool) -> Summary:
         history = self.state.history

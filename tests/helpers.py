@@ -162,3 +162,33 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def events(log_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
     return [e for e in read_jsonl(log_dir / f"rank-{rank}.jsonl") if e.get("event") == name]
+
+
+def spawn_ranks(target: Any, world_size: int, args: tuple[Any, ...], timeout: float) -> None:
+    """Run ``target(rank, world_size, init_file, *args)`` in ``world_size`` spawned processes.
+
+    Fails if any exits non-zero or the group is still running after ``timeout`` (then all are
+    killed). ``target`` must be importable (a module-level function).
+    """
+    import multiprocessing
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = str(Path(tmp) / "store")
+        procs = [ctx.Process(target=target, args=(r, world_size, init_file, *args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(0.1, deadline - time.monotonic()))
+            alive = [p for p in procs if p.is_alive()]
+            assert not alive, f"{len(alive)} rank(s) still running after {timeout}s"
+            codes = [p.exitcode for p in procs]
+            assert codes == [0] * world_size, f"rank exit codes {codes}"
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()

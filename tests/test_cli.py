@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_single_process_run_prints_the_seeds_lines_and_writes_logs(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    done = cli([*QUICK, "--log-dir", str(logs)])
+    done = cli([*QUICK, "--log-dir", str(logs), "--checkpoint-dir", str(logs / "ckpt")])
     assert done.returncode == 0, done.output
     lines = done.stdout.splitlines()
     assert lines[0] == "Training started with 1 processes"
@@ -65,7 +65,7 @@ def test_bad_input_exits_2_with_the_fix_and_leaves_logs_untouched(
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "metrics.jsonl").write_text('{"epoch": 1}\n')
-    done = cli([*argv, "--log-dir", str(logs)], timeout=90)
+    done = cli([*argv, "--log-dir", str(logs), "--checkpoint-dir", str(logs / "ckpt")], timeout=90)
     assert done.returncode == 2, done.output
     assert problem in done.stderr and "Fix:" in done.stderr
     assert "Traceback" not in done.output
@@ -75,14 +75,25 @@ def test_bad_input_exits_2_with_the_fix_and_leaves_logs_untouched(
 
 def test_a_corrupt_zip_exits_2_naming_the_archive(tmp_path: Path) -> None:
     (tmp_path / "tiny-imagenet-200.zip").write_bytes(b"PK\x03\x04 this is not really a zip" * 50)
-    done = cli(["--dataset", "tiny-imagenet", "--data-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs")])
+    done = cli(
+        [
+            "--dataset",
+            "tiny-imagenet",
+            "--data-dir",
+            str(tmp_path),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--checkpoint-dir",
+            str(tmp_path / "logs" / "ckpt"),
+        ]
+    )
     assert done.returncode == 2
     assert "tiny-imagenet-200.zip is corrupt" in done.stderr and not (tmp_path / "logs").exists()
 
 
 def test_amp_on_cpu_trains_in_bf16(tmp_path: Path) -> None:
     args = ["--amp", "--dataset", "digits", "--batch-size", "16", "--max-steps-per-epoch", "2", "--epochs", "1"]
-    done = cli([*args, "--log-dir", str(tmp_path)])
+    done = cli([*args, "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert done.returncode == 0, done.output
     assert "precision: bf16" in done.stdout and "amp_on_cpu" in done.stderr
 
@@ -90,6 +101,20 @@ def test_amp_on_cpu_trains_in_bf16(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("model", "dataset"), [("resnet18", "digits"), ("vit", "digits")])
 def test_other_models_and_datasets_train(tmp_path: Path, model: str, dataset: str) -> None:
     args = ["--model", model, "--dataset", dataset, "--batch-size", "8", "--max-steps-per-epoch", "2"]
-    done = cli([*args, "--epochs", "1", "--optimizer", "sgd", "--image-size", "16", "--log-dir", str(tmp_path)])
+    done = cli(
+        [
+            *args,
+            "--epochs",
+            "1",
+            "--optimizer",
+            "sgd",
+            "--image-size",
+            "16",
+            "--log-dir",
+            str(tmp_path),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     assert done.returncode == 0, done.output
     assert f"model: {model}" in done.stdout and f"dataset: {dataset}" in done.stdout and "16px" in done.stdout

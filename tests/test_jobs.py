@@ -60,7 +60,12 @@ def alive(pid: int) -> bool:
 @pytest.mark.torchrun
 @pytest.mark.timeout(240)
 def test_train_sbatch_runs_torchrun_with_two_cpu_processes_outside_slurm(tmp_path: Path) -> None:
-    env = {"SLURM_SUBMIT_DIR": str(ROOT), "ET_VENV": str(VENV), "ET_LOG_DIR": str(tmp_path / "logs")}
+    env = {
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "ET_VENV": str(VENV),
+        "ET_LOG_DIR": str(tmp_path / "logs"),
+        "ET_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+    }
     done = run(["bash", str(ROOT / "jobs" / "train.sbatch"), *QUICK], timeout=180, env=env)
     assert done.returncode == 0, done.output
     assert "Training started with 2 processes" in done.stdout
@@ -76,6 +81,7 @@ def test_gpu_monitor_is_stopped_by_pid_even_when_training_fails(tmp_path: Path) 
         "SLURM_SUBMIT_DIR": str(ROOT),
         "ET_VENV": str(VENV),
         "ET_LOG_DIR": str(tmp_path / "logs"),
+        "ET_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
         "SLURM_GPUS_ON_NODE": "1",
         "SLURM_JOB_ID": "77",
         "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",

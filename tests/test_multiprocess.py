@@ -19,9 +19,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
 def test_two_rank_metrics_equal_the_single_process_computation(tmp_path: Path) -> None:
-    one = cli([*QUICK, "--log-dir", str(tmp_path / "w1")])
+    one = cli([*QUICK, "--log-dir", str(tmp_path / "w1"), "--checkpoint-dir", str(tmp_path / "w1" / "ckpt")])
     assert one.returncode == 0, one.output
-    with ranks(2, [*QUICK, "--log-dir", str(tmp_path / "w2")]) as procs:
+    with ranks(
+        2, [*QUICK, "--log-dir", str(tmp_path / "w2"), "--checkpoint-dir", str(tmp_path / "w2" / "ckpt")]
+    ) as procs:
         results = wait_all(procs, timeout=150)
     assert [r.returncode for r in results] == [0, 0], results[0].output + results[1].output
     single = read_jsonl(tmp_path / "w1" / "metrics.jsonl")
@@ -53,6 +55,8 @@ def test_early_stop_on_target_makes_every_rank_leave_in_the_same_epoch(tmp_path:
         "0.01",
         "--log-dir",
         str(tmp_path),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
     ]
     with ranks(2, args) as procs:
         results = wait_all(procs, timeout=150)
@@ -78,6 +82,8 @@ def test_early_stop_on_patience_makes_every_rank_leave_in_the_same_epoch(tmp_pat
         "1e-12",
         "--log-dir",
         str(tmp_path),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
     ]
     with ranks(2, args) as procs:
         results = wait_all(procs, timeout=150)
@@ -95,7 +101,15 @@ def test_early_stop_on_patience_makes_every_rank_leave_in_the_same_epoch(tmp_pat
 def test_an_exception_on_one_rank_tears_the_group_down_with_no_orphan(tmp_path: Path) -> None:
     # The collective timeout is far longer than the test: rank 0 must fail because its peer
     # went away, not because a timer ran out.
-    args = [*QUICK, "--collective-timeout", "600", "--log-dir", str(tmp_path)]
+    args = [
+        *QUICK,
+        "--collective-timeout",
+        "600",
+        "--log-dir",
+        str(tmp_path),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
     with ranks(2, args, env={"ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=2"}) as procs:
         results = wait_all(procs, timeout=90)
         assert not any(group_alive(p.pid) for p in procs), "a rank process outlived the failure"
@@ -106,7 +120,9 @@ def test_an_exception_on_one_rank_tears_the_group_down_with_no_orphan(tmp_path: 
 
 
 def test_bad_world_size_fit_exits_2_on_every_rank_with_one_message(tmp_path: Path) -> None:
-    with ranks(2, ["--batch-size", "3", "--log-dir", str(tmp_path)]) as procs:
+    with ranks(
+        2, ["--batch-size", "3", "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    ) as procs:
         results = wait_all(procs, timeout=60)
     assert [r.returncode for r in results] == [2, 2]
     assert "not divisible by the world size 2" in results[0].stderr
@@ -125,6 +141,8 @@ def test_corrupt_data_on_rank_0_makes_every_rank_exit_2_without_a_hang(tmp_path:
         "4",
         "--log-dir",
         str(tmp_path / "logs"),
+        "--checkpoint-dir",
+        str(tmp_path / "logs" / "ckpt"),
     ]
     with ranks(2, args) as procs:
         results = wait_all(procs, timeout=60)

@@ -15,7 +15,7 @@ STANDALONE_2 = ["--standalone", "--nproc_per_node=2"]
 
 
 def test_torchrun_two_processes_prints_the_seeds_lines(tmp_path: Path) -> None:
-    done = torchrun(STANDALONE_2, [*QUICK, "--log-dir", str(tmp_path)])
+    done = torchrun(STANDALONE_2, [*QUICK, "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert done.returncode == 0, done.output
     lines = done.stdout.splitlines()
     assert lines.count("Training started with 2 processes") == 1
@@ -42,6 +42,8 @@ def test_torchrun_on_a_tiny_imagenet_zip_extracts_once_on_rank_0(tmp_path: Path)
         "1",
         "--log-dir",
         str(tmp_path / "logs"),
+        "--checkpoint-dir",
+        str(tmp_path / "logs" / "ckpt"),
         "--num-workers",
         "1",
     ]
@@ -60,7 +62,7 @@ def test_torchrun_on_a_tiny_imagenet_zip_extracts_once_on_rank_0(tmp_path: Path)
 def test_a_crash_under_torchrun_names_the_rank_and_the_exception(tmp_path: Path) -> None:
     done = torchrun(
         [*STANDALONE_2, "--max-restarts=0"],
-        [*QUICK, "--log-dir", str(tmp_path)],
+        [*QUICK, "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")],
         env={"ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=2"},
     )
     assert done.returncode != 0
@@ -71,7 +73,11 @@ def test_a_crash_under_torchrun_names_the_rank_and_the_exception(tmp_path: Path)
 
 
 def test_bad_flags_under_torchrun_fail_fast_with_one_message(tmp_path: Path) -> None:
-    done = torchrun(STANDALONE_2, ["--batch-size", "5", "--log-dir", str(tmp_path)], timeout=90)
+    done = torchrun(
+        STANDALONE_2,
+        ["--batch-size", "5", "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")],
+        timeout=90,
+    )
     assert done.returncode != 0
     assert done.stderr.count("global --batch-size 5 is not divisible by the world size 2") == 1
     assert "exitcode  : 2" in done.stderr

@@ -77,9 +77,8 @@ class FileImages(ImageSource):
             raise RuntimeError(f"cannot decode image {path}: {exc}") from exc
         if img.size != (self.image_size, self.image_size):
             img = img.resize((self.image_size, self.image_size), Image.Resampling.BILINEAR)
-        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous(), self.labels[
-            index
-        ]
+        pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())
+        return pixels.permute(2, 0, 1).contiguous(), self.labels[index]
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class DistEnv:
     restart_count: int = 0
     run_id: str = "local"
     launched: bool = False  # True under torchrun (or any launcher that set RANK/WORLD_SIZE)
+    slurm_job_id: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -59,8 +60,9 @@ class DistEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
         env = os.environ if environ is None else environ
         launched = "RANK" in env and "WORLD_SIZE" in env
+        slurm = env.get("SLURM_JOB_ID", "")
         if not launched:
-            return cls(run_id=env.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12])
+            return cls(run_id=slurm or uuid.uuid4().hex[:12], slurm_job_id=slurm)
         world_size = _int(env, "WORLD_SIZE", 1)
         return cls(
             rank=_int(env, "RANK", 0),
@@ -71,6 +73,7 @@ class DistEnv:
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
             run_id=env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "torchrun",
             launched=True,
+            slurm_job_id=slurm,
         )
 
     # Named predicates: "who does this" is decided here, never by scattered `rank == 0`.
@@ -82,6 +85,11 @@ class DistEnv:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def job_id(self) -> str:
+        """The job across restarts and requeues: the Slurm job id if any, else the run id."""
+        return f"slurm-{self.slurm_job_id}" if self.slurm_job_id else self.run_id
 
 
 def should_print_console(env: DistEnv) -> bool:

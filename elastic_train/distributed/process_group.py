@@ -167,3 +167,21 @@ def barrier(placement: Placement) -> None:
         dist.barrier(device_ids=[placement.device.index])
     else:
         dist.barrier()
+
+
+class ControlPlane:
+    """Small decisions every rank must agree on at a step boundary (save now? all shards durable?).
+
+    Flags are MAX-all-reduced as CPU tensors over a gloo group: with NCCL training a separate
+    gloo group is created, so the exchange never waits for queued GPU work. Collective: every
+    rank must call ``agree`` at the same step.
+    """
+
+    def __init__(self, placement: Placement) -> None:
+        group = dist.new_group(backend="gloo") if placement.backend != "gloo" else None
+        self.group: dist.ProcessGroup | None = group if isinstance(group, dist.ProcessGroup) else None
+
+    def agree(self, *flags: bool) -> list[bool]:
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(v) for v in t.tolist()]

@@ -1,0 +1,1 @@
+"""Sharded safetensors checkpoints: format, durable storage, the commit protocol, resume."""

@@ -1,0 +1,449 @@
+"""Saving and resuming: the commit protocol, async writes, fallback on load.
+
+Save (``save``, main thread, at a step boundary):
+  1. every rank copies the tensors it owns (``assign_shards``) plus its per-rank state to reused
+     CPU buffers, in the writer thread, while the next step's forward and backward run; the
+     trainer calls ``wait_staged`` before anything changes that state (the optimizer step);
+  2. a background thread serialises them to ``shard-<r>-of-<W>.safetensors``, fsyncs and renames
+     it (no collectives off the main thread, ever);
+  3. at a later step boundary, once every rank reports its shard durable (``poll``, one tiny
+     all-reduce), the ranks exchange file sizes and sha256s; rank 0 writes ``manifest.json``
+     (temp, fsync, rename, fsync dir), then moves ``latest`` (new link + rename). A failure
+     anywhere leaves the previous checkpoint and ``latest`` untouched; training goes on.
+
+Load (``resume``): rank 0 picks ``latest`` or the newest older valid checkpoint (verifying
+manifest, sizes and checksums), every rank then reads and re-verifies the files it loads.
+Nothing is unpickled: safetensors and JSON only.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import structlog
+import torch
+import torch.distributed as dist
+
+from elastic_train import __version__
+from elastic_train.checkpoint.format import (
+    MANIFEST,
+    CheckpointInvalid,
+    FileEntry,
+    Manifest,
+    latest_target,
+    read_manifest,
+    shard_name,
+    step_dir_name,
+    step_folders,
+    verify,
+)
+from elastic_train.checkpoint.lock import CheckpointLock
+from elastic_train.checkpoint.state import assign_shards, nbytes, rank_key
+from elastic_train.checkpoint.storage import Purger, point_latest, write_atomic
+from elastic_train.checkpoint.tensor_io import read_shards, write_shard
+from elastic_train.distributed.env import DistEnv
+from elastic_train.errors import UsageError
+from elastic_train.faults import FaultInjector
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    root: Path
+    every_steps: int = 0  # 0: only at epoch ends (and at the end / on preemption)
+    every_seconds: float = 0.0  # 0: off
+    keep_last: int = 3
+    resume: str = "auto"  # auto | never | PATH
+    async_save: bool = True
+
+
+@dataclass
+class Snapshot:
+    """What the trainer hands over at a step boundary.
+
+    Contract for an async save: the tensors must not change until ``wait_staged`` returns (the
+    trainer calls it before the optimizer step). Anything that changes earlier, such as
+    BatchNorm statistics updated by the forward pass, must be cloned into the snapshot.
+    """
+
+    step: int
+    epoch: int
+    batch_in_epoch: int
+    replicated: dict[str, torch.Tensor]
+    per_rank: dict[str, torch.Tensor]
+    trainer: dict[str, Any]
+    fingerprint: dict[str, Any]
+    config: dict[str, Any]
+    finished: bool = False
+
+
+@dataclass
+class ShardResult:
+    rank: int
+    file: str = ""
+    entry: FileEntry | None = None
+    keys: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class Loaded:
+    folder: Path
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+
+
+def should_manage_checkpoints(env: DistEnv) -> bool:
+    """Rank 0 writes manifests, moves ``latest``, purges old checkpoints and holds the lock."""
+    return env.is_main
+
+
+def _versions() -> dict[str, str]:
+    return {"elastic_train": __version__, "torch": torch.__version__, "safetensors": safetensors.__version__}
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        env: DistEnv,
+        faults: FaultInjector,
+        fingerprint: dict[str, Any],
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.faults = faults
+        self.fingerprint = fingerprint
+        self.group = group  # gloo group for the object collectives (None: the default group)
+        self.lock = CheckpointLock(cfg.root, owner=env.job_id)
+        self.purger = Purger()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        self._pending: tuple[Snapshot, Future[ShardResult]] | None = None
+        # CPU copies for async saves, reused from save to save (a save starts only after the
+        # previous one committed): no fresh allocation, no page faults, pinned for CUDA.
+        self._staging: dict[str, torch.Tensor] = {}
+        self._staged: threading.Event | None = None  # set once an async save's copy is done
+        self._copy_stream: Any = None  # a CUDA stream for device-to-host staging copies
+        self._last_save_time = time.monotonic()
+        self.last_committed_step: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Collective: rank 0 takes the directory lock; a refusal fails every rank alike."""
+        error: str | None = None
+        if should_manage_checkpoints(self.env):
+            try:
+                self.lock.acquire()
+            except UsageError as exc:
+                error = str(exc)
+        box: list[str | None] = [error]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if box[0] is not None:
+            raise UsageError(box[0])
+
+    def close(self) -> None:
+        self.wait_staged()
+        self._pool.shutdown(wait=True)
+        self.purger.join(timeout=30)
+        if should_manage_checkpoints(self.env):
+            self.lock.release()
+
+    # ------------------------------------------------------------------ when
+    def due_by_time(self) -> bool:
+        """Rank 0's clock (the trainer shares its answer with the other ranks)."""
+        return self.cfg.every_seconds > 0 and time.monotonic() - self._last_save_time >= self.cfg.every_seconds
+
+    def due_by_step(self, step: int) -> bool:
+        return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def local_done(self) -> bool:
+        return self._pending is None or self._pending[1].done()
+
+    # ------------------------------------------------------------------ save
+    def save(self, snap: Snapshot, sync: bool) -> bool | None:
+        """Start a save (waiting for the previous one first). Collective when ``sync``.
+
+        Returns the commit outcome for a synchronous save, None for an asynchronous one.
+        """
+        if self._pending is not None:
+            self.commit_pending()
+        self.wait_staged()
+        self._last_save_time = time.monotonic()
+        folder = self.cfg.root / step_dir_name(snap.step)
+        if (folder / MANIFEST).exists():
+            # Never rewrite a committed checkpoint (e.g. one from a timeline after a --resume PATH).
+            log.warning("checkpoint_exists", step=snap.step, path=str(folder), detail="not overwritten")
+            return True if sync else None
+        if sync:
+            future = self._pool.submit(self._write_shard, snap.step, self._select(snap, copy=False))
+        else:
+            self._staged = threading.Event()
+            ready = None
+            if any(t.is_cuda for t in snap.replicated.values()):
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record()  # the copies must see the state as of now, after queued compute
+            future = self._pool.submit(self._stage_and_write, snap, self._staged, ready)
+        self._pending = (snap, future)
+        log.info("checkpoint_started", step=snap.step, sync=sync)
+        return self.commit_pending() if sync else None
+
+    def wait_staged(self) -> None:
+        """Block until the running async save has copied its tensors. Call before the optimizer
+        step (or anything else) changes the state being saved."""
+        if self._staged is not None:
+            self._staged.wait()
+            self._staged = None
+
+    def _stage_and_write(self, snap: Snapshot, staged: threading.Event, ready: Any) -> ShardResult:
+        try:
+            if ready is not None:
+                if self._copy_stream is None:
+                    self._copy_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+                self._copy_stream.wait_event(ready)
+                with torch.cuda.stream(self._copy_stream):
+                    mine = self._select(snap, copy=True)
+                self._copy_stream.synchronize()
+            else:
+                mine = self._select(snap, copy=True)
+        except Exception as exc:
+            return ShardResult(self.env.rank, error=f"staging failed: {type(exc).__name__}: {exc}")
+        finally:
+            staged.set()
+        return self._write_shard(snap.step, mine)
+
+    def _select(self, snap: Snapshot, copy: bool) -> dict[str, torch.Tensor]:
+        """This rank's tensors on the CPU. An async save copies them now (training changes the
+        originals at the next step); a synchronous one writes CPU tensors in place."""
+        sizes = {k: nbytes(v) for k, v in snap.replicated.items()}
+        owner = assign_shards(sizes, self.env.world_size)
+        mine = {k: v for k, v in snap.replicated.items() if owner[k] == self.env.rank}
+        mine.update({rank_key(self.env.rank, k): v for k, v in snap.per_rank.items()})
+        if not copy:
+            return {k: v.detach().to("cpu").contiguous() for k, v in mine.items()}
+        staged = {k: self._stage(k, v.detach()) for k, v in mine.items()}
+        self._staging = staged
+        return staged
+
+    def _stage(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        buf = self._staging.get(key)
+        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+            buf = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+        buf.copy_(value, non_blocking=value.is_cuda)
+        return buf
+
+    def _write_shard(self, step: int, tensors: dict[str, torch.Tensor]) -> ShardResult:
+        """Background thread: serialise, write, fsync, rename. Never a collective."""
+        rank = self.env.rank
+        name = shard_name(rank, self.env.world_size)
+        try:
+            folder = self.cfg.root / step_dir_name(step)
+            folder.mkdir(parents=True, exist_ok=True)
+            if self.faults.fires("kill_in_save", step, stage="before_shard"):
+                os.kill(os.getpid(), 9)
+
+            def inject_enospc() -> None:
+                if self.faults.fires("enospc", step):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / name))
+
+            meta = {"step": str(step), "rank": str(rank)}
+            entry = write_shard(folder / name, tensors, meta, before_rename=inject_enospc)
+            if self.faults.fires("kill_in_save", step, stage="after_shard"):
+                os.kill(os.getpid(), 9)
+            return ShardResult(rank, name, entry, sorted(tensors))
+        except Exception as exc:  # reported to every rank at the commit, never raised here
+            return ShardResult(rank, name, error=f"{type(exc).__name__}: {exc}")
+
+    def commit_pending(self) -> bool:
+        """Collective: wait for this rank's shard, share results, rank 0 commits. True if committed."""
+        assert self._pending is not None
+        snap, future = self._pending
+        self._pending = None
+        result = future.result()
+        results: list[ShardResult | None] = [None] * self.env.world_size
+        dist.all_gather_object(results, result, group=self.group)
+        failures = [r for r in results if r is None or r.error]
+        ok = not failures
+        if ok and should_manage_checkpoints(self.env):
+            ok = self._write_manifest(snap, [r for r in results if r is not None])
+        elif failures:
+            for r in failures:
+                log.error(
+                    "checkpoint_failed",
+                    step=snap.step,
+                    rank=r.rank if r else None,
+                    error=r.error if r else "no result",
+                    detail="previous checkpoint kept; retry at next interval",
+                )
+        committed = self._agree(ok)
+        if committed:
+            self.last_committed_step = snap.step
+            log.info("checkpoint_committed", step=snap.step, path=str(self.cfg.root / step_dir_name(snap.step)))
+        return committed
+
+    def _agree(self, ok: bool) -> bool:
+        """Rank 0's verdict on the commit, shared (CPU tensor on the gloo group)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.broadcast(flag, src=0, group=self.group)
+        return bool(flag.item())
+
+    def _write_manifest(self, snap: Snapshot, results: list[ShardResult]) -> bool:
+        folder = self.cfg.root / step_dir_name(snap.step)
+        manifest = Manifest(
+            step=snap.step,
+            epoch=snap.epoch,
+            batch_in_epoch=snap.batch_in_epoch,
+            world_size=self.env.world_size,
+            files={r.file: r.entry for r in results if r.entry is not None},
+            tensors={key: r.file for r in results for key in r.keys},
+            fingerprint=snap.fingerprint,
+            trainer=snap.trainer,
+            config=snap.config,
+            versions=_versions(),
+            run_id=self.env.run_id,
+            created=time.time(),
+            finished=snap.finished,
+        )
+        try:
+            write_atomic(folder / MANIFEST, manifest.to_json().encode())
+            if self.faults.fires("kill_in_save", snap.step, stage="after_manifest"):
+                os.kill(os.getpid(), 9)
+            point_latest(self.cfg.root, folder)
+        except OSError as exc:
+            log.error(
+                "checkpoint_failed",
+                step=snap.step,
+                rank=self.env.rank,
+                error=repr(exc),
+                detail="manifest or latest not written; previous checkpoint kept",
+            )
+            (folder / MANIFEST).unlink(missing_ok=True)
+            return False
+        for stale in folder.glob("shard-*"):  # left by an earlier, failed attempt at this step
+            if stale.name not in manifest.files:
+                stale.unlink(missing_ok=True)
+        self.purger.purge(self.cfg.root, self.cfg.keep_last, protect={folder})
+        return True
+
+    # ------------------------------------------------------------------ load
+    def resume(self) -> Loaded | None:
+        """Collective: the checkpoint to continue from, or None to start fresh."""
+        choice: str | None = None
+        error: str | None = None
+        if should_manage_checkpoints(self.env):
+            try:
+                chosen = self._choose()
+                choice = None if chosen is None else str(chosen)
+            except UsageError as exc:
+                error = str(exc)
+        box: list[str | None] = [error, choice]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if box[0] is not None:
+            raise UsageError(box[0])
+        if box[1] is None:
+            return None
+        folder = Path(box[1])
+        try:
+            loaded = load(folder)
+            error = None
+        except CheckpointInvalid as exc:
+            error = f"rank {self.env.rank}: {exc}"
+        errors: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        first = next((e for e in errors if e), None)
+        if first:
+            raise UsageError(
+                f"checkpoint {folder} could not be loaded: {first}", "check the storage, or use --resume never"
+            )
+        return loaded
+
+    def _choose(self) -> Path | None:
+        return select_checkpoint(self.cfg, self.fingerprint)
+
+
+def select_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Path | None:
+    """Which checkpoint a run continues from (None: start fresh). Raises ``UsageError`` when
+    checkpoints exist but none is valid, when one is incompatible, or when ``--resume never``
+    would overwrite existing ones. Never deletes anything."""
+    mode = cfg.resume
+    if mode == "never":
+        done = [f for f in step_folders(cfg.root) if (f / MANIFEST).is_file()]
+        if done:
+            raise UsageError(
+                f"--resume never, but {cfg.root} already holds checkpoints (newest: {done[0].name}) "
+                "that a fresh run would overwrite",
+                "point --checkpoint-dir at an empty folder, move the old checkpoints away, or use --resume auto",
+            )
+        return None
+    if mode != "auto":
+        folder = Path(mode)
+        target = latest_target(folder) or folder
+        try:
+            manifest = verify(target)
+        except CheckpointInvalid as exc:
+            raise UsageError(f"--resume {mode}: {exc}", "pass a valid checkpoint folder, or --resume auto") from None
+        check_compatible(target, manifest, fingerprint)
+        return target
+    root = cfg.root
+    latest = latest_target(root)
+    problems = []
+    if latest is not None and not latest.exists():
+        problems.append(f"{root / 'latest'} points at {latest.name}, which does not exist")
+        log.error("checkpoint_invalid", path=str(root / "latest"), error=problems[-1])
+    # Newest first. `latest` normally names the first of these; after a crash between a
+    # manifest and the `latest` move, a newer committed checkpoint exists and wins.
+    committed = [f for f in step_folders(root) if (f / MANIFEST).exists()]
+    for folder in committed:
+        try:
+            manifest = verify(folder)
+        except CheckpointInvalid as exc:
+            problems.append(str(exc))
+            log.error("checkpoint_invalid", path=str(folder), error=str(exc))
+            continue
+        if latest is None or folder.resolve() != latest.resolve():
+            log.warning("checkpoint_fallback", chosen=str(folder), latest=str(latest), skipped=problems)
+        check_compatible(folder, manifest, fingerprint)
+        return folder
+    if problems and (committed or latest is not None):
+        raise UsageError(
+            f"{root} holds checkpoints but none is valid: {'; '.join(problems)}",
+            "repair or move them away, point --checkpoint-dir elsewhere, or pass --resume never to start fresh",
+        )
+    return None
+
+
+def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another model or data order, naming every difference."""
+    diffs = [
+        f"{key}: checkpoint {manifest.fingerprint.get(key)!r}, this run {value!r}"
+        for key, value in fingerprint.items()
+        if manifest.fingerprint.get(key) != value
+    ]
+    if diffs:
+        raise UsageError(
+            f"checkpoint {folder} is incompatible with this run ({'; '.join(diffs)})",
+            "run with the checkpoint's settings, or use another --checkpoint-dir / --resume never",
+        )
+
+
+def load(folder: Path) -> Loaded:
+    """Read every shard of ``folder``, each verified; raises ``CheckpointInvalid``."""
+    manifest = read_manifest(folder)
+    tensors = read_shards(folder, manifest.files)
+    missing = sorted(set(manifest.tensors) - set(tensors))
+    if missing:
+        raise CheckpointInvalid(f"{folder}: tensors listed in the manifest are missing: {missing[:3]}")
+    return Loaded(folder, manifest, tensors)

@@ -1,0 +1,137 @@
+"""Durable file operations for checkpoints: atomic writes, the ``latest`` link, retention.
+
+Every durable write goes to a temporary name in the same folder, is fsynced, renamed into
+place, and the folder is fsynced, so a crash at any instant leaves either the old file or the
+new one, never a torn one. Retries wrap these idempotent operations only (tenacity, bounded,
+jittered), never a collective.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+import xxhash
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from elastic_train.checkpoint.format import LATEST, MANIFEST, FileEntry, read_manifest, step_folders, step_of
+
+log = structlog.get_logger(__name__)
+
+# Errors a retry cannot fix: the disk is full, read-only, or we lack permission.
+_PERMANENT = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno not in _PERMANENT
+
+
+io_retry = retry(
+    retry=retry_if_exception(_transient),
+    stop=stop_after_attempt(3),
+    wait=wait_random_exponential(multiplier=0.2, max=2.0),
+    reraise=True,
+)
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@io_retry
+def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> FileEntry:
+    """Write ``data`` to ``path`` durably; returns its size and sha256."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest(), xxh3=xxhash.xxh3_128(data).hexdigest())
+
+
+@io_retry
+def point_latest(root: Path, folder: Path) -> None:
+    """Move ``root/latest`` to ``folder`` atomically: a new link, renamed over the old one."""
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(folder.name, tmp)
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def committed(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()
+
+
+def retention_victims(root: Path, keep_last: int, protect: set[Path]) -> list[Path]:
+    """Folders to delete: committed ones beyond the newest ``keep_last``, and incomplete ones
+    older than the newest committed checkpoint (an incomplete folder newer than that may be a
+    save in progress). ``protect`` (e.g. the ``latest`` target) is never returned."""
+    folders = step_folders(root)
+    done = [f for f in folders if committed(f)]
+    if not done:
+        return []
+    newest = step_of(done[0]) or 0
+    victims = done[keep_last:]
+    victims += [f for f in folders if not committed(f) and (step_of(f) or 0) < newest]
+    resolved = {p.resolve() for p in protect}
+    return [v for v in victims if v.resolve() not in resolved]
+
+
+class Purger:
+    """Deletes old checkpoints in a daemon thread, so training never waits on ``rmtree``.
+
+    A failed delete is logged and retried on the next purge; it never stops training.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def purge(self, root: Path, keep_last: int, protect: set[Path]) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return  # the previous purge is still running; the next commit will catch up
+        victims = retention_victims(root, keep_last, protect)
+        if victims:
+            self._thread = threading.Thread(target=self._delete, args=(victims,), name="ckpt-purge", daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _delete(victims: list[Path]) -> None:
+        for folder in victims:
+            try:
+                # Drop the manifest first: a half-deleted folder must not look committed.
+                (folder / MANIFEST).unlink(missing_ok=True)
+                shutil.rmtree(folder)
+                log.info("checkpoint_deleted", path=str(folder))
+            except OSError as exc:
+                log.error("checkpoint_delete_failed", path=str(folder), error=repr(exc))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def describe(folder: Path) -> str:
+    try:
+        m = read_manifest(folder)
+    except Exception as exc:  # a listing shows whatever is wrong
+        return f"INVALID ({exc})"
+    return f"step {m.step}, epoch {m.epoch}, world size {m.world_size}{', finished' if m.finished else ''}"

@@ -1,0 +1,154 @@
+"""Checkpoint tool: ``python -m elastic_train.ckpt list|verify|inspect|export DIR``.
+
+* ``list CHECKPOINT_DIR``: every ``step-*`` folder, its state, and where ``latest`` points.
+* ``verify DIR``: a step folder, or a checkpoint directory (then every committed checkpoint and
+  ``latest``); checks sizes and sha256 of every file. Exit 1 if anything is invalid.
+* ``inspect DIR``: step, epoch, world size, versions, tensors and bytes per file.
+* ``export DIR -o model.safetensors``: the model weights alone, consolidated into one file with
+  plain parameter names, for inference (``model.load_state_dict(load_file(...))``).
+
+A checkpoint directory argument may also be given where a step folder is expected: its
+``latest`` is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from elastic_train.checkpoint.format import (
+    MANIFEST,
+    CheckpointInvalid,
+    latest_target,
+    read_manifest,
+    step_folders,
+    verify,
+)
+
+EXIT_INVALID = 1
+
+
+def _step_folder(path: Path) -> Path:
+    target = latest_target(path)
+    return target if target is not None else path
+
+
+def cmd_list(root: Path) -> int:
+    folders = step_folders(root)
+    latest = latest_target(root)
+    if not folders:
+        print(f"no checkpoints in {root}")
+        return 0
+    for folder in folders:
+        mark = " <- latest" if latest is not None and folder.resolve() == latest.resolve() else ""
+        if not (folder / MANIFEST).exists():
+            state = "incomplete (no manifest: ignored, cleaned up later)"
+        else:
+            try:
+                m = verify(folder)
+                state = f"ok: epoch {m.epoch}, batch {m.batch_in_epoch}, world size {m.world_size}" + (
+                    ", finished" if m.finished else ""
+                )
+            except CheckpointInvalid as exc:
+                state = f"INVALID: {exc}"
+        print(f"{folder.name}  {state}{mark}")
+    if latest is not None and not latest.exists():
+        print(f"latest -> {latest.name}: DANGLING")
+    return 0
+
+
+def cmd_verify(path: Path) -> int:
+    if (path / MANIFEST).exists() or (latest_target(path) is None and not step_folders(path)):
+        targets = [path]
+    else:
+        targets = [f for f in step_folders(path) if (f / MANIFEST).exists()]
+        latest = latest_target(path)
+        if latest is not None and latest not in targets:
+            targets.insert(0, latest)
+    bad = 0
+    for folder in targets:
+        try:
+            m = verify(folder, sha256=True)
+            print(f"OK       {folder} (step {m.step}, {len(m.files)} file(s), sizes, xxh3 and sha256 match)")
+        except CheckpointInvalid as exc:
+            bad += 1
+            print(f"INVALID  {folder}: {exc}")
+    return EXIT_INVALID if bad else 0
+
+
+def cmd_inspect(path: Path) -> int:
+    folder = _step_folder(path)
+    try:
+        m = read_manifest(folder)
+    except CheckpointInvalid as exc:
+        print(f"INVALID  {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"checkpoint   {folder}")
+    print(f"step         {m.step} (epoch {m.epoch} done, {m.batch_in_epoch} batch(es) into the next)")
+    print(f"world size   {m.world_size}")
+    print(f"finished     {m.finished}")
+    print(f"run id       {m.run_id}")
+    print(f"versions     {', '.join(f'{k} {v}' for k, v in sorted(m.versions.items()))}")
+    print(f"fingerprint  {', '.join(f'{k}={v}' for k, v in sorted(m.fingerprint.items()))}")
+    groups: dict[str, int] = {}
+    for key in m.tensors:
+        group = key.split(".")[0]
+        groups[group] = groups.get(group, 0) + 1
+    print(f"tensors      {len(m.tensors)} ({', '.join(f'{g}: {n}' for g, n in sorted(groups.items()))})")
+    total = sum(e.size for e in m.files.values())
+    print(f"bytes        {total}")
+    for name, entry in sorted(m.files.items()):
+        count = sum(1 for f in m.tensors.values() if f == name)
+        print(f"  {name}  {entry.size} bytes, {count} tensors, sha256 {entry.sha256[:16]}...")
+    return 0
+
+
+def cmd_export(path: Path, output: Path) -> int:
+    import safetensors.torch  # torch is only needed here
+
+    from elastic_train.checkpoint.manager import load
+    from elastic_train.checkpoint.state import MODEL
+
+    folder = _step_folder(path)
+    try:
+        loaded = load(folder)
+    except CheckpointInvalid as exc:
+        print(f"INVALID  {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    weights = {k[len(MODEL) :]: v.contiguous() for k, v in loaded.tensors.items() if k.startswith(MODEL)}
+    fp = loaded.manifest.fingerprint
+    metadata = {"source": str(folder), "step": str(loaded.manifest.step)}
+    metadata.update({k: str(v) for k, v in fp.items()})
+    if loaded.manifest.trainer.get("history"):
+        metadata["val_acc"] = str(loaded.manifest.trainer["history"][-1]["val_acc"])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(weights, str(output), metadata=metadata)
+    print(f"wrote {output}: {len(weights)} tensors from {folder}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastic_train.ckpt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("list", "verify", "inspect"):
+        sub.add_parser(name).add_argument("dir", type=Path)
+    export = sub.add_parser("export")
+    export.add_argument("dir", type=Path)
+    export.add_argument("-o", "--output", type=Path, default=Path("model.safetensors"))
+    args = parser.parse_args(argv)
+    if not args.dir.exists():
+        print(f"error: {args.dir} does not exist", file=sys.stderr)
+        return 2
+    if args.command == "list":
+        return cmd_list(args.dir)
+    if args.command == "verify":
+        return cmd_verify(args.dir)
+    if args.command == "inspect":
+        return cmd_inspect(args.dir)
+    return cmd_export(args.dir, args.output)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
