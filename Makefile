@@ -31,7 +31,8 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/overhead.py --repeats 5
+	$(PY) benchmarks/checkpoint.py --repeats 5
 
 clean:
 	rm -rf logs .pytest_cache .mypy_cache .ruff_cache .hypothesis

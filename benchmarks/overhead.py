@@ -67,6 +67,8 @@ def ours(epochs: int, steps: int, batch: int) -> float:
             "0",
             "--log-dir",
             logs,
+            "--checkpoint-dir",
+            str(Path(logs, "ckpt")),
         ]
         subprocess.run(cmd, env=_env(), capture_output=True, text=True, check=True, timeout=600)
         lines = Path(logs, "metrics.jsonl").read_text().splitlines()
