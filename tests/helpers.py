@@ -70,6 +70,14 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def run(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Finished:
     """Run to completion in a new session; on timeout kill the whole group and fail."""
     start = time.monotonic()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, ROOT, run
+from tests.helpers import QUICK, ROOT, pid_alive, run
 
 SCRIPTS = sorted(p for p in (ROOT / "jobs").rglob("*") if p.suffix in (".sbatch", ".sh"))
 SHELLCHECK = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
@@ -47,14 +47,6 @@ def fake_nvidia_smi(bin_dir: Path, pid_file: Path) -> None:
         "while true; do echo '2026/11/30 00:00:00.000, 0, FakeGPU, 50 %, 10 %, 81920 MiB, 100 MiB'; sleep 0.2; done\n"
     )
     script.chmod(0o755)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.torchrun
@@ -92,9 +84,9 @@ def test_gpu_monitor_is_stopped_by_pid_even_when_training_fails(tmp_path: Path) 
     assert "--epochs 0 must be >= 1" in done.stderr and "stopping GPU monitor" in done.stderr
     (pid,) = (int(line) for line in pid_file.read_text().split())
     deadline = time.monotonic() + 5
-    while alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(pid), "nvidia-smi monitor outlived the job script"
+    assert not pid_alive(pid), "nvidia-smi monitor outlived the job script"
     assert "FakeGPU" in (tmp_path / "logs" / "gpu-77.csv").read_text()
 
 

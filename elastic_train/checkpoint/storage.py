@@ -13,8 +13,10 @@ import hashlib
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import structlog
 import xxhash
@@ -48,14 +50,34 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-@io_retry
-def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> FileEntry:
-    """Write ``data`` to ``path`` durably; returns its size and sha256."""
+class HashingWriter:
+    """An open temporary file that hashes (sha256, xxh3-128) everything written to it."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh, self.size = fh, 0
+        self._sha, self._fast = hashlib.sha256(), xxhash.xxh3_128()
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.fh.write(data)
+        self._sha.update(data)
+        self._fast.update(data)
+        self.size += memoryview(data).nbytes
+
+    def entry(self) -> FileEntry:
+        return FileEntry(size=self.size, sha256=self._sha.hexdigest(), xxh3=self._fast.hexdigest())
+
+
+@contextmanager
+def atomic_file(path: Path, before_rename: Callable[[], None] | None = None) -> Iterator[HashingWriter]:
+    """Write ``path`` durably: a temporary name, fsync, rename into place, fsync the folder.
+
+    On any error the temporary file is removed and ``path`` is left as it was.
+    ``before_rename`` is a hook for fault injection (a full disk at the last moment).
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
+        with tmp.open("wb", buffering=0) as fh:
+            yield HashingWriter(fh)
             os.fsync(fh.fileno())
         if before_rename is not None:
             before_rename()
@@ -64,7 +86,14 @@ def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | No
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest(), xxh3=xxhash.xxh3_128(data).hexdigest())
+
+
+@io_retry
+def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> FileEntry:
+    """Write ``data`` to ``path`` durably; returns its size and checksums."""
+    with atomic_file(path, before_rename) as out:
+        out.write(data)
+    return out.entry()
 
 
 @io_retry

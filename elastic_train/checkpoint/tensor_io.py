@@ -12,9 +12,7 @@ slower, cryptographic check that ``python -m elastic_train.ckpt verify`` runs.)
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +20,9 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-import xxhash
 
 from elastic_train.checkpoint.format import CheckpointInvalid, FileEntry, check_entry
-from elastic_train.checkpoint.storage import fsync_dir, io_retry
+from elastic_train.checkpoint.storage import atomic_file, io_retry
 
 _DTYPES = {
     torch.float64: "F64",
@@ -92,24 +89,10 @@ def write_shard(
 ) -> FileEntry:
     """Write ``tensors`` as a safetensors file durably (temp, fsync, rename, fsync dir)."""
     prefix, chunks = _layout(tensors, metadata)
-    sha, fast, size = hashlib.sha256(), xxhash.xxh3_128(), 0
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("wb", buffering=0) as fh:
-            for piece in _pieces(prefix, chunks):
-                fh.write(piece)
-                sha.update(piece)
-                fast.update(piece)
-                size += piece.nbytes
-            os.fsync(fh.fileno())
-        if before_rename is not None:
-            before_rename()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return FileEntry(size=size, sha256=sha.hexdigest(), xxh3=fast.hexdigest())
+    with atomic_file(path, before_rename) as out:
+        for piece in _pieces(prefix, chunks):
+            out.write(piece)
+    return out.entry()
 
 
 def read_shards(folder: Path, files: dict[str, FileEntry]) -> dict[str, torch.Tensor]:
