@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a collective may wait for a peer before failing",
     )
     ours.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=d.hang_timeout,
+        help="seconds without progress before a rank exits (code 124) so torchrun restarts it; 0: off",
+    )
+    ours.add_argument(
         "--threads",
         type=int,
         default=d.threads,

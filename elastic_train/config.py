@@ -41,6 +41,7 @@ class TrainConfig:
     max_steps_per_epoch: int | None = None
     image_size: int | None = None  # None: the dataset's native size
     collective_timeout: float = 600.0
+    hang_timeout: float = 300.0  # seconds without a finished step before a rank exits; 0: off
     threads: int = 0  # 0: cores // local processes, unless OMP_NUM_THREADS is set
     weight_decay: float = 0.05
     warmup_steps: int = 0
@@ -80,6 +81,8 @@ class TrainConfig:
             raise UsageError(f"--image-size {self.image_size} is outside [8, 1024]", "omit it for the dataset's size")
         if not self.collective_timeout > 0:
             raise UsageError(f"--collective-timeout {self.collective_timeout} must be > 0", "pass seconds, e.g. 600")
+        if self.hang_timeout < 0:
+            raise UsageError(f"--hang-timeout {self.hang_timeout} must be >= 0", "pass seconds, or 0 to disable")
         if self.threads < 0:
             raise UsageError(f"--threads {self.threads} must be >= 0", "pass 0 for automatic")
         if self.weight_decay < 0:

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train import __version__
-from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Loaded
+from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Loaded, should_manage_checkpoints
 from elastic_train.config import TrainConfig
 from elastic_train.data import build_data
 from elastic_train.distributed.env import DistEnv
@@ -21,6 +21,14 @@ from elastic_train.distributed.process_group import ControlPlane, Placement, cho
 from elastic_train.errors import EXIT_OK
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, attach_rank_log
+from elastic_train.resilience.preemption import (
+    EXIT_PREEMPTED,
+    Preempted,
+    PreemptionFlag,
+    clear_marker,
+    write_marker,
+)
+from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.trainer import Trainer
 
 log = structlog.get_logger(__name__)
@@ -75,39 +83,70 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     # Fault markers sit beside the checkpoints: a fault fires once per run, across restarts.
     faults = FaultInjector.from_environ(env.rank, cfg.checkpoint_dir / ".faults")
     _tune_cuda(placement)
+    preemption = PreemptionFlag()
+    preemption.install()  # from here on SIGTERM/SIGUSR1/SIGUSR2 mean "checkpoint and exit 75"
+    try:
+        with process_group(env, placement, cfg.collective_timeout):
+            return _train_in_group(cfg, env, placement, faults, preemption, threads)
+    finally:
+        preemption.uninstall()
+
+
+def _train_in_group(
+    cfg: TrainConfig,
+    env: DistEnv,
+    placement: Placement,
+    faults: FaultInjector,
+    preemption: PreemptionFlag,
+    threads: int,
+) -> int:
     console = Console(env)
-    with process_group(env, placement, cfg.collective_timeout):
-        control = ControlPlane(placement)
-        bundle = build_data(cfg, env)
-        checkpointer = Checkpointer(checkpoint_config(cfg), env, faults, cfg.fingerprint(), control.group)
-        checkpointer.start()
+    control = ControlPlane(placement)
+    bundle = build_data(cfg, env)
+    checkpointer = Checkpointer(checkpoint_config(cfg), env, faults, cfg.fingerprint(), control.group)
+    checkpointer.start()
+    try:
+        loaded = checkpointer.resume()
+        attach_rank_log(cfg.log_dir, env)
+        log.info("start", threads=threads, device=str(placement.device), version=__version__)
+        if should_manage_checkpoints(env):
+            clear_marker(cfg.checkpoint_dir)  # a preemption marker describes the previous attempt
+        if loaded is not None and loaded.manifest.finished:
+            console.line(f"Training already finished: {loaded.folder} (epoch {loaded.manifest.epoch}); nothing to do.")
+            console.line("Training completed successfully.")
+            return EXIT_OK
+        watchdog = StepWatchdog(cfg.hang_timeout, env.rank)
+        trainer = Trainer(cfg, env, placement, bundle, faults, checkpointer, control, preemption, watchdog)
+        if loaded is not None:
+            trainer.restore(loaded)
+            checkpointer.last_committed_step = loaded.manifest.step
+            _announce_resume(console, loaded)
+            del loaded
+        watchdog.start()
         try:
-            loaded = checkpointer.resume()
-            attach_rank_log(cfg.log_dir, env)
-            log.info("start", threads=threads, device=str(placement.device), version=__version__)
-            if loaded is not None and loaded.manifest.finished:
-                console.line(
-                    f"Training already finished: {loaded.folder} (epoch {loaded.manifest.epoch}); nothing to do."
-                )
-                console.line("Training completed successfully.")
-                return EXIT_OK
-            trainer = Trainer(cfg, env, placement, bundle, faults, checkpointer, control)
-            if loaded is not None:
-                trainer.restore(loaded)
-                checkpointer.last_committed_step = loaded.manifest.step
-                _announce_resume(console, loaded)
-                del loaded
-            try:
-                summary = trainer.fit()
-            finally:
-                trainer.close()
-                del trainer  # the DDP wrapper holds the process group: drop it before the teardown
+            summary = trainer.fit()
+        except Preempted as exc:
+            return _exit_preempted(cfg, env, console, preemption, exc)
         finally:
-            checkpointer.close()
-        for line in summary.console_lines():
-            console.line(line)
-        console.line("Training completed successfully.")
-        log.info(
-            "done", epochs=summary.epochs_run, stopped_early=summary.stopped_early, final_val_acc=summary.final_val_acc
-        )
+            watchdog.stop()
+            trainer.close()
+            del trainer  # the DDP wrapper holds the process group: drop it before the teardown
+    finally:
+        checkpointer.close()
+    for line in summary.console_lines():
+        console.line(line)
+    console.line("Training completed successfully.")
+    log.info(
+        "done", epochs=summary.epochs_run, stopped_early=summary.stopped_early, final_val_acc=summary.final_val_acc
+    )
     return EXIT_OK
+
+
+def _exit_preempted(cfg: TrainConfig, env: DistEnv, console: Console, flag: PreemptionFlag, exc: Preempted) -> int:
+    signal_name = flag.signal_name or "a peer's signal"
+    if should_manage_checkpoints(env):
+        write_marker(cfg.checkpoint_dir, exc.step, signal_name, exc.committed)
+    state = "checkpoint committed" if exc.committed else "CHECKPOINT FAILED (the previous one is kept)"
+    console.line(f"Preempted by {signal_name} at step {exc.step}: {state}; exiting with code {EXIT_PREEMPTED}")
+    log.warning("exit", code=EXIT_PREEMPTED, reason="preempted", step=exc.step, committed=exc.committed)
+    return EXIT_PREEMPTED

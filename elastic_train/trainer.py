@@ -32,6 +32,8 @@ from elastic_train.metrics import EpochRecord, MetricSums, Totals
 from elastic_train.models import build_model
 from elastic_train.precision import Precision, choose_precision
 from elastic_train.progress import ProgressBar
+from elastic_train.resilience.preemption import Preempted, PreemptionFlag
+from elastic_train.resilience.watchdog import StepWatchdog
 
 log = structlog.get_logger(__name__)
 
@@ -108,10 +110,14 @@ class Trainer:
         faults: FaultInjector,
         checkpointer: Checkpointer | None = None,
         control: ControlPlane | None = None,
+        preemption: PreemptionFlag | None = None,
+        watchdog: StepWatchdog | None = None,
     ) -> None:
         self.cfg, self.env, self.placement, self.bundle = cfg, env, placement, bundle
         self.checkpointer = checkpointer
         self.control = control
+        self.preemption = preemption
+        self.watchdog = watchdog
         self.device = placement.device
         self.console = Console(env)
         self.metrics_file = MetricsFile(cfg.log_dir, env)
@@ -137,6 +143,7 @@ class Trainer:
         self.state = TrainState()
         # A partly trained epoch restored from a checkpoint: its metric sums and time so far.
         self._resumed_sums: MetricSums | None = None
+        self._stepped = False
         self._resumed_elapsed = 0.0
         shape = (1, 3, 1, 1)
         self._mean = torch.tensor(bundle.mean, device=self.device).view(shape)
@@ -179,7 +186,12 @@ class Trainer:
             sums.add_indices(indices)
             self.state.step += 1
             self.state.batch_in_epoch += 1
+            if not self._stepped:
+                self._stepped = True  # recovery timing: the first step of this process and group size
+                log.info("first_step", step=self.state.step, world_size=self.env.world_size)
             self.progress.update(self.state.batch_in_epoch)
+            if self.watchdog is not None:
+                self.watchdog.beat(self.state.step)
             self._step_boundary(sums, prior + time.perf_counter() - start)
         if self.placement.is_cuda:
             torch.cuda.synchronize(self.device)
@@ -188,19 +200,40 @@ class Trainer:
         return sums.reduce(), all_reduce_max(elapsed, self.device)
 
     def _step_boundary(self, sums: MetricSums, elapsed: float) -> None:
-        """Between two steps: commit a finished async save, start a due one. Collective."""
+        """Between two steps: preemption, committing a finished async save, starting a due one.
+
+        Collective: one small MAX all-reduce of [preemption requested anywhere, rank 0 says a
+        timed save is due, some rank's shard is not durable yet], so every rank decides alike.
+        """
         ck = self.checkpointer
         if ck is None or self.control is None:
             return
-        time_due, not_done = False, False
-        if ck.cfg.every_seconds > 0 or ck.pending:
-            time_due, not_done = self.control.agree(self.env.is_main and ck.due_by_time(), not ck.local_done())
+        preempt, time_due, not_done = self.control.agree(
+            self.preemption is not None and self.preemption.requested,
+            self.env.is_main and ck.due_by_time(),
+            not ck.local_done(),
+        )
+        if preempt:
+            self._stop_for_preemption(sums, elapsed)
         if ck.pending and not not_done:
             ck.commit_pending()
         # On an epoch's last batch the epoch-end checkpoint (after evaluation) comes next instead.
         epoch_done = self.state.batch_in_epoch >= self.sampler.batches_per_epoch
         if (ck.due_by_step(self.state.step) or time_due) and not epoch_done:
             ck.save(self.snapshot(sums, elapsed), sync=not self.cfg.async_checkpoint)
+
+    def _stop_for_preemption(self, sums: MetricSums | None, elapsed: float) -> None:
+        """Every rank: commit a checkpoint of this exact step synchronously, then stop."""
+        ck = self.checkpointer
+        assert ck is not None
+        if ck.pending:
+            ck.commit_pending()
+        committed = ck.last_committed_step == self.state.step
+        if not committed:
+            committed = bool(ck.save(self.snapshot(sums, elapsed), sync=True))
+        signal_name = self.preemption.signal_name if self.preemption else None
+        log.warning("preempted", step=self.state.step, signal=signal_name, checkpoint_committed=committed)
+        raise Preempted(self.state.step, committed)
 
     # ------------------------------------------------------------------ checkpoint state
     def snapshot(self, sums: MetricSums | None = None, elapsed: float = 0.0, finished: bool = False) -> Snapshot:
@@ -287,6 +320,8 @@ class Trainer:
         self.module.eval()
         sums = MetricSums(self.device)
         for images, labels, indices in self.val_loader:
+            if self.watchdog is not None:
+                self.watchdog.beat(self.state.step, "evaluate")
             x, y = self._inputs(images, labels)
             with self.precision.autocast():
                 logits = self.module(x)
@@ -343,6 +378,10 @@ class Trainer:
             if stopped_early:
                 self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
             self._save_epoch_end(finished=stopped_early or self.state.epoch >= self.cfg.epochs)
+            if self.control is not None and self.preemption is not None and not stopped_early:
+                (preempt,) = self.control.agree(self.preemption.requested)
+                if preempt and self.state.epoch < self.cfg.epochs:
+                    self._stop_for_preemption(None, 0.0)
         return self._summary(time.perf_counter() - wall_start, stopped_early)
 
     def _save_epoch_end(self, finished: bool) -> None:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,13 +33,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+TOKEN_VAR = "ELASTIC_TRAIN_TEST_TOKEN"
+
+
+def tagged(token: str) -> list[int]:
+    """Live processes whose environment carries ``token`` (torchrun's workers inherit it, even
+    though torchrun starts each of them in a session of its own)."""
+    found = []
+    needle = f"{TOKEN_VAR}={token}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def kill_tagged(token: str) -> None:
+    for pid in tagged(token):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTIC_TRAIN"))
     }
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), TOKEN_VAR: uuid.uuid4().hex})
     env.update(extra or {})
     return env
 
@@ -81,9 +108,11 @@ def pid_alive(pid: int) -> bool:
 def run(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Finished:
     """Run to completion in a new session; on timeout kill the whole group and fail."""
     start = time.monotonic()
+    child_env = base_env(env)
+    token = child_env[TOKEN_VAR]
     proc = subprocess.Popen(
         list(args),
-        env=base_env(env),
+        env=child_env,
         cwd=cwd or ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -99,8 +128,9 @@ def run(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = Non
             f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out}\n--- stderr\n{err}"
         ) from None
     finally:
-        leftovers = group_alive(proc.pid)
+        leftovers = group_alive(proc.pid) or bool(tagged(token))
         kill_group(proc)  # reap anything the child left behind
+        kill_tagged(token)  # including workers that torchrun put in sessions of their own
     return Finished(list(args), proc.returncode, out, err, time.monotonic() - start, leftovers)
 
 

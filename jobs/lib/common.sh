@@ -63,3 +63,29 @@ et_stop_gpu_monitor() {
   fi
   ET_MONITOR_PID=""
 }
+
+# Run a command in the background and forward TERM, INT, HUP, QUIT, USR1 and USR2 to it, so a
+# signal sent to this script (scancel, a preemption warning) reaches torchrun, which forwards it
+# to the workers. Returns the command's exit status (the first wait returns early on a signal).
+et_run_forwarding() {
+  "$@" &
+  ET_CHILD_PID=$!
+  local sig
+  for sig in TERM INT HUP QUIT USR1 USR2; do
+    # shellcheck disable=SC2064  # expand $sig now
+    trap "et_log 'forwarding SIG$sig to pid $ET_CHILD_PID'; kill -s $sig $ET_CHILD_PID 2>/dev/null || true" "$sig"
+  done
+  local rc late
+  while :; do
+    rc=0
+    wait "$ET_CHILD_PID" || rc=$?
+    # >128 means the child died of a signal OR a trapped signal interrupted the wait.
+    if [ "$rc" -le 128 ] || ! kill -0 "$ET_CHILD_PID" 2>/dev/null; then break; fi
+  done
+  if [ "$rc" -gt 128 ]; then  # an interrupted wait: the child's own status is still to collect
+    late=0
+    wait "$ET_CHILD_PID" 2>/dev/null || late=$?
+    [ "$late" = 127 ] || rc=$late
+  fi
+  return "$rc"
+}

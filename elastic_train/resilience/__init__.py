@@ -1,0 +1,1 @@
+"""Surviving the real world: preemption signals, hung steps, goodput accounting."""

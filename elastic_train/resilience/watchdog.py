@@ -1,0 +1,73 @@
+"""A step watchdog: a rank whose training stops advancing exits, so torchrun restarts the group.
+
+The trainer calls ``beat`` after every step and evaluation batch. A daemon thread checks the
+time since the last beat; past ``--hang-timeout`` seconds it logs the rank, the step and what it
+was doing, and ends the process with ``EXIT_HUNG`` (124, as timeout(1) uses). This catches a rank
+stuck outside collectives (a deadlocked loader, a wedged filesystem) and the peers of a stopped
+rank, which sit in a collective until it returns; ``--collective-timeout`` is the backstop
+inside the backend.
+
+The timeout must exceed the longest legitimate pause between beats: the first step (CUDA
+initialisation, compilation), a synchronous checkpoint of a large model, an evaluation batch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+EXIT_HUNG = 124
+
+
+class StepWatchdog:
+    def __init__(self, timeout_s: float, rank: int, poll_s: float | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.poll_s = poll_s if poll_s is not None else max(0.5, min(5.0, timeout_s / 10))
+        self._last = time.monotonic()
+        self._step = 0
+        self._phase = "start"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    def start(self) -> None:
+        if self.enabled and self._thread is None:
+            self._last = time.monotonic()
+            self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self, step: int, phase: str = "train") -> None:
+        self._last = time.monotonic()
+        self._step = step
+        self._phase = phase
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_s * 2)
+            self._thread = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                log.error(
+                    "hang_detected",
+                    rank=self.rank,
+                    step=self._step,
+                    phase=self._phase,
+                    seconds_without_progress=round(idle, 1),
+                    exit_code=EXIT_HUNG,
+                )
+                # os._exit: the main thread is stuck, so no exception can reach it. torchrun sees
+                # the exit code and restarts the group from the latest checkpoint.
+                os._exit(EXIT_HUNG)

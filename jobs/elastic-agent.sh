@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One torchrun agent of an elastic job: run it once per node (srun does, in multinode.sbatch).
+# Nodes may die, hang or join; training goes on at the size of the nodes that are left
+# (between ET_NNODES's bounds) and resumes from the latest checkpoint after every change.
+#
+# Launch (two nodes, store on the batch host; see docs/fault-tolerance.md):
+#   python -m elastic_train.rendezvous --port 29400 &        # on a host that is not a training node
+#   ET_RDZV_ENDPOINT=batchhost:29400 ET_NNODES=1:2 jobs/elastic-agent.sh --epochs 100   # on each node
+#
+# Knobs (environment; runtime ones in jobs/lib/common.sh):
+#   ET_RDZV_ENDPOINT   host:port of the rendezvous store (required)
+#   ET_RDZV_ID         job id shared by all agents (default: $SLURM_JOB_ID, else "elastic-train")
+#   ET_NNODES          MIN:MAX nodes (default 1:2)
+#   ET_NPROC           processes per node (default: $SLURM_GPUS_ON_NODE, or 1 without GPUs)
+#   ET_MAX_RESTARTS    restarts per agent after worker failures (default 3)
+#   ET_STORE_HOST      1: this agent hosts the store itself (no standalone store); default 0
+#   ET_JOIN_TIMEOUT    seconds an agent waits for the minimum number of nodes (default 600)
+#   ET_SHUTDOWN_TIMEOUT seconds between SIGTERM and SIGKILL for workers (default 60): the
+#                      preemption checkpoint must be committed inside it
+#   ET_LOG_DIR, ET_CHECKPOINT_DIR  as in train.sbatch (shared storage for multi-node jobs)
+# Arguments go to the trainer unchanged.
+set -euo pipefail
+
+ET_PROJECT_DIR=${ET_PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/.." && pwd)}}
+ET_LOG_DIR=${ET_LOG_DIR:-$ET_PROJECT_DIR/logs}
+ET_CHECKPOINT_DIR=${ET_CHECKPOINT_DIR:-$ET_PROJECT_DIR/checkpoints}
+# shellcheck source=jobs/lib/common.sh
+source "$ET_PROJECT_DIR/jobs/lib/common.sh"
+cd "$ET_PROJECT_DIR"
+
+endpoint=${ET_RDZV_ENDPOINT:?ET_RDZV_ENDPOINT=host:port of the rendezvous store is required}
+gpus=$(et_gpus_on_node)
+if [ "$gpus" -gt 0 ]; then nproc=${ET_NPROC:-$gpus}; else nproc=${ET_NPROC:-1}; fi
+is_host=false
+[ "${ET_STORE_HOST:-0}" = 1 ] && is_host=true
+
+# Why each setting (measured on torch 2.14.1, see docs/fault-tolerance.md):
+# - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: every rendezvous round gets a fresh store for the
+#   workers, so restarted workers never read the previous round's addresses; with the shared
+#   store a restart sometimes failed outright, and a node re-join crashed both agents.
+# - is_host=false: the standalone store serves the rendezvous, so losing any node is survivable.
+# - last_call_timeout=5: after the minimum is met, wait 5 s (not 30) for stragglers.
+# - keep_alive_interval=1, keep_alive_max_attempt=3: a dead node is noticed in ~3 s, not 50.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+rdzv_conf="is_host=$is_host,join_timeout=${ET_JOIN_TIMEOUT:-600},last_call_timeout=5"
+rdzv_conf+=",keep_alive_interval=1,keep_alive_max_attempt=3"
+
+et_setup_runtime
+trap et_stop_gpu_monitor EXIT
+et_start_gpu_monitor
+et_log "agent on $(hostname): $nproc process(es), nodes ${ET_NNODES:-1:2}, rendezvous $endpoint"
+et_run_forwarding "${ET_RUN[@]}" torchrun --nnodes="${ET_NNODES:-1:2}" --nproc-per-node="$nproc" \
+  --max-restarts="${ET_MAX_RESTARTS:-3}" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" \
+  --rdzv-id="${ET_RDZV_ID:-${SLURM_JOB_ID:-elastic-train}}" --rdzv-conf="$rdzv_conf" \
+  --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2 \
+  --shutdown-timeout="${ET_SHUTDOWN_TIMEOUT:-60}" \
+  -m elastic_train --log-dir "$ET_LOG_DIR" --checkpoint-dir "$ET_CHECKPOINT_DIR" "$@"
