@@ -26,8 +26,8 @@ test: $(STAMP) lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check elastic_train tests benchmarks
-	$(VENV)/bin/ruff format --check elastic_train tests benchmarks
+	$(VENV)/bin/ruff check elastic_train tests benchmarks jobs
+	$(VENV)/bin/ruff format --check elastic_train tests benchmarks jobs
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

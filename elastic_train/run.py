@@ -6,7 +6,10 @@ per-worker error file, so torchrun's failure summary names the rank and the root
 
 from __future__ import annotations
 
+import json
 import os
+import time
+from datetime import datetime
 
 import structlog
 import torch
@@ -21,12 +24,16 @@ from elastic_train.distributed.process_group import ControlPlane, Placement, cho
 from elastic_train.errors import EXIT_OK
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, attach_rank_log
+from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
 from elastic_train.resilience.preemption import (
     EXIT_PREEMPTED,
     Preempted,
     PreemptionFlag,
     clear_marker,
     write_marker,
+)
+from elastic_train.resilience.preemption import (
+    MARKER as PREEMPTED_MARKER,
 )
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.trainer import Trainer
@@ -109,6 +116,7 @@ def _train_in_group(
         loaded = checkpointer.resume()
         attach_rank_log(cfg.log_dir, env)
         log.info("start", threads=threads, device=str(placement.device), version=__version__)
+        tracker = _progress_tracker(cfg, env, loaded)
         if should_manage_checkpoints(env):
             clear_marker(cfg.checkpoint_dir)  # a preemption marker describes the previous attempt
         if loaded is not None and loaded.manifest.finished:
@@ -116,7 +124,7 @@ def _train_in_group(
             console.line("Training completed successfully.")
             return EXIT_OK
         watchdog = StepWatchdog(cfg.hang_timeout, env.rank)
-        trainer = Trainer(cfg, env, placement, bundle, faults, checkpointer, control, preemption, watchdog)
+        trainer = Trainer(cfg, env, placement, bundle, faults, checkpointer, control, preemption, watchdog, tracker)
         if loaded is not None:
             trainer.restore(loaded)
             checkpointer.last_committed_step = loaded.manifest.step
@@ -135,11 +143,66 @@ def _train_in_group(
         checkpointer.close()
     for line in summary.console_lines():
         console.line(line)
+    for line in tracker.accounting.summary_lines(summary.productive_time, time.time()):
+        console.line(line)
     console.line("Training completed successfully.")
+    acct = tracker.accounting
     log.info(
-        "done", epochs=summary.epochs_run, stopped_early=summary.stopped_early, final_val_acc=summary.final_val_acc
+        "done",
+        epochs=summary.epochs_run,
+        stopped_early=summary.stopped_early,
+        final_val_acc=summary.final_val_acc,
+        goodput=acct.goodput(summary.productive_time, time.time()),
+        restarts=acct.restarts,
+        lost_s=acct.lost_s,
+        recomputed_steps=acct.recomputed_steps,
     )
     return EXIT_OK
+
+
+def _previous_exit_cause(cfg: TrainConfig, since: float) -> str:
+    """Why the previous attempt ended: its preemption marker, a watchdog report, or a failure."""
+    if (cfg.checkpoint_dir / PREEMPTED_MARKER).exists():
+        return "preemption"
+    for path in cfg.log_dir.glob("rank-*.jsonl"):
+        with path.open("rb") as fh:
+            fh.seek(max(0, path.stat().st_size - 65536))
+            tail = fh.read().decode("utf-8", "replace")
+        if '"hang_detected"' in tail and any(
+            '"hang_detected"' in line and _after(line, since) for line in tail.splitlines()
+        ):
+            return "hang"
+    return "failure"
+
+
+def _after(line: str, since: float) -> bool:
+    try:
+        stamp = json.loads(line)["timestamp"]
+    except (ValueError, KeyError):
+        return False
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() >= since - 1
+
+
+def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None) -> ProgressTracker:
+    """The job's goodput bookkeeping: inherited from the checkpoint, plus this recovery if any."""
+    previous = read_progress(cfg.checkpoint_dir) if loaded is not None else None
+    saved = loaded.manifest.trainer.get("accounting") if loaded is not None else None
+    if saved:
+        accounting = Accounting.from_json(saved)
+    else:
+        accounting = Accounting(job_start=float(previous["job_start"]) if previous else time.time())
+    tracker = ProgressTracker(cfg.checkpoint_dir, accounting, enabled=should_manage_checkpoints(env))
+    if loaded is not None and not loaded.manifest.finished:
+        since = float(previous["time"]) if previous else 0.0
+        cause = _previous_exit_cause(cfg, since) if should_manage_checkpoints(env) else "failure"
+        tracker.begin_recovery(cause, loaded.manifest.step, previous)
+        log.info(
+            "recovery",
+            cause=cause,
+            resumed_step=loaded.manifest.step,
+            reached_step=previous["step"] if previous else None,
+        )
+    return tracker
 
 
 def _exit_preempted(cfg: TrainConfig, env: DistEnv, console: Console, flag: PreemptionFlag, exc: Preempted) -> int:

@@ -32,6 +32,7 @@ from elastic_train.metrics import EpochRecord, MetricSums, Totals
 from elastic_train.models import build_model
 from elastic_train.precision import Precision, choose_precision
 from elastic_train.progress import ProgressBar
+from elastic_train.resilience.goodput import ProgressTracker
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag
 from elastic_train.resilience.watchdog import StepWatchdog
 
@@ -89,6 +90,7 @@ class Summary:
     epochs_run: int
     stopped_early: bool
     final_val_acc: float
+    productive_time: float = 0.0  # training time of every epoch of the run, each step once
 
     def console_lines(self) -> list[str]:
         return [
@@ -112,12 +114,14 @@ class Trainer:
         control: ControlPlane | None = None,
         preemption: PreemptionFlag | None = None,
         watchdog: StepWatchdog | None = None,
+        tracker: ProgressTracker | None = None,
     ) -> None:
         self.cfg, self.env, self.placement, self.bundle = cfg, env, placement, bundle
         self.checkpointer = checkpointer
         self.control = control
         self.preemption = preemption
         self.watchdog = watchdog
+        self.tracker = tracker
         self.device = placement.device
         self.console = Console(env)
         self.metrics_file = MetricsFile(cfg.log_dir, env)
@@ -192,6 +196,8 @@ class Trainer:
             self.progress.update(self.state.batch_in_epoch)
             if self.watchdog is not None:
                 self.watchdog.beat(self.state.step)
+            if self.tracker is not None:
+                self.tracker.on_step(self.state.step)
             self._step_boundary(sums, prior + time.perf_counter() - start)
         if self.placement.is_cuda:
             torch.cuda.synchronize(self.device)
@@ -260,6 +266,7 @@ class Trainer:
             "scaler": self.precision.scaler.state_dict(),
             "early_stop": self.stopper.state(),
             "history": [r.to_json() for r in self.state.history],
+            "accounting": self.tracker.accounting.to_json() if self.tracker is not None else None,
         }
         return Snapshot(
             step=self.state.step,
@@ -405,6 +412,7 @@ class Trainer:
             epochs_run=len(history),
             stopped_early=stopped_early,
             final_val_acc=history[-1].val_acc if history else float("nan"),
+            productive_time=train_time,
         )
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ The reference is one uninterrupted run with the same flags, computed once per mo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,9 @@ def test_resume_after_kill_mid_epoch_matches_uninterrupted_run(tmp_path: Path, r
     assert f"Resumed from {tmp_path / 'ckpt' / step_dir_name(6)} at epoch 2, step 6" in done.stdout
     assert_bitwise_equal(final_state(reference), final_state(tmp_path))
     assert epoch_metrics(tmp_path) == epoch_metrics(reference), "per-epoch metrics must be identical"
+    # Goodput accounting: the kill came at the start of step 8, so step 7 was recomputed.
+    assert "Restarts: 1 (failure: 1)" in done.stdout and "Steps recomputed: 1" in done.stdout
+    assert re.search(r"^Goodput: 0\.\d\d$", done.stdout, re.MULTILINE)
 
 
 @pytest.mark.parametrize("stage", ["before_shard", "after_shard", "after_manifest"])

@@ -159,6 +159,9 @@ def test_a_stopped_worker_is_detected_by_the_watchdog_and_the_group_restarts(
     assert hangs, "no rank reported the hang"
     assert event_time(hangs[0]) - stopped_at < 10 + 10, f"detected after {event_time(hangs[0]) - stopped_at:.1f}s"
     assert all_events(tmp_path, "resumed"), "the group did not restart from a checkpoint"
+    assert any(e["cause"] == "hang" for e in all_events(tmp_path, "recovery")), (
+        "the restart was not put down to the hang"
+    )
 
 
 def test_sigterm_to_the_agents_commits_a_checkpoint_and_a_relaunch_loses_no_step(
@@ -184,6 +187,7 @@ def test_sigterm_to_the_agents_commits_a_checkpoint_and_a_relaunch_loses_no_step
         assert relaunch.returncode == 0, relaunch.output
         assert f"Resumed from {tmp_path / 'ckpt' / step_dir_name(step)}" in relaunch.stdout
         assert f"step {step}" in relaunch.stdout
+        assert "(preemption: 1)" in relaunch.stdout and "Steps recomputed: 0" in relaunch.stdout
 
 
 def test_a_fault_on_every_attempt_exhausts_restarts_and_torchrun_names_the_root_cause(
@@ -197,3 +201,57 @@ def test_a_fault_on_every_attempt_exhausts_restarts_and_torchrun_names_the_root_
     output = agents[0].output + agents[1].output
     assert "Root Cause" in output and "InjectedFault: injected fault: raise at step 3" in output, output[-4000:]
     assert "rank      : 1" in output
+
+
+def test_chaos_kills_workers_every_mtbf_and_the_job_still_finishes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, base_env
+
+    args = [*LONG, *dirs(tmp_path)]
+    job = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            "--nproc_per_node=2",
+            "--max-restarts=5",
+            "-m",
+            "elastic_train",
+            *args,
+        ],
+        env=base_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        chaos = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "jobs" / "chaos.py"),
+                "--mtbf",
+                "12",
+                "--duration",
+                "30",
+                "--match",
+                str(tmp_path),
+                "--seed",
+                "3",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    kills = [json.loads(line) for line in chaos.stdout.splitlines() if "chaos_kill" in line]
+    assert 1 <= len(kills) <= 3, chaos.stdout
+    assert job.returncode == 0, out[-3000:]
+    assert "Training completed successfully." in out
+    restarts = [e for e in all_events(tmp_path, "recovery")]
+    assert len(restarts) >= 1 and all(e["cause"] == "failure" for e in restarts)

@@ -1,0 +1,105 @@
+"""Goodput: how much of the job's wall time went into steps that count.
+
+* ``job_start``: when the job first started (kept across restarts and requeues).
+* productive time: the training time of every step in the final timeline, each counted once
+  (the per-epoch ``epoch_time`` values: a resumed epoch adds the time before the failure, saved
+  in the checkpoint, to the time after it; recomputed steps are timed once, when they count).
+* a recovery: from the last progress before a failure until the resumed run is back at the step
+  it had reached. Its cost covers detection, restart, loading and recomputation.
+* ``Goodput = productive time / (now - job_start)``.
+
+Rank 0 keeps ``<checkpoint-dir>/.progress.json`` (job start, the highest step reached and when),
+rewritten at most every 0.2 s, so the next attempt knows how far the failed one got. The
+accounting itself travels in every checkpoint. Limits: an attempt that dies before its first
+checkpoint starts the job afresh, and its time is not counted as lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROGRESS = ".progress.json"
+WRITE_EVERY_S = 0.2  # so the next attempt knows the reached step to within 0.2 s of training
+
+
+@dataclass
+class Accounting:
+    job_start: float
+    restarts: dict[str, int] = field(default_factory=dict)  # cause -> count
+    lost_s: float = 0.0
+    recomputed_steps: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Accounting:
+        return cls(
+            float(raw["job_start"]),
+            dict(raw.get("restarts", {})),
+            float(raw.get("lost_s", 0.0)),
+            int(raw.get("recomputed_steps", 0)),
+        )
+
+    def goodput(self, productive_s: float, now: float) -> float:
+        return min(1.0, productive_s / max(now - self.job_start, 1e-9))
+
+    def summary_lines(self, productive_s: float, now: float) -> list[str]:
+        wall = max(now - self.job_start, 1e-9)
+        causes = ", ".join(f"{cause}: {n}" for cause, n in sorted(self.restarts.items()))
+        return [
+            f"Wall time since job start: {wall:.3f} seconds",
+            f"Productive step time: {productive_s:.3f} seconds",
+            f"Restarts: {sum(self.restarts.values())}" + (f" ({causes})" if causes else ""),
+            f"Time lost to recovery: {self.lost_s:.3f} seconds",
+            f"Steps recomputed: {self.recomputed_steps}",
+            f"Goodput: {self.goodput(productive_s, now):.2f}",
+        ]
+
+
+def read_progress(checkpoint_dir: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads((checkpoint_dir / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) and {"job_start", "step", "time"} <= raw.keys() else None
+
+
+class ProgressTracker:
+    """Rank 0's view of the job's progress, and the bookkeeping of the recovery in flight."""
+
+    def __init__(self, checkpoint_dir: Path, accounting: Accounting, enabled: bool) -> None:
+        self.path = checkpoint_dir / PROGRESS
+        self.accounting = accounting
+        self.enabled = enabled
+        self._last_write = 0.0
+        self._recovering_until: int | None = None  # step the failed attempt had reached
+        self._progress_time = 0.0
+
+    def begin_recovery(self, cause: str, resumed_step: int, previous: dict[str, Any] | None) -> None:
+        """A run resumed from a checkpoint: count it, and time it until it is back where it was."""
+        self.accounting.restarts[cause] = self.accounting.restarts.get(cause, 0) + 1
+        reached = int(previous["step"]) if previous else resumed_step
+        self.accounting.recomputed_steps += max(0, reached - resumed_step)
+        self._progress_time = float(previous["time"]) if previous else time.time()
+        self._recovering_until = max(reached, resumed_step)
+
+    def on_step(self, step: int) -> None:
+        now = time.time()
+        if self._recovering_until is not None and step >= self._recovering_until:
+            self.accounting.lost_s += max(0.0, now - self._progress_time)
+            self._recovering_until = None
+        if self.enabled and now - self._last_write >= WRITE_EVERY_S:
+            self._last_write = now
+            record = {"job_start": self.accounting.job_start, "step": step, "time": now}
+            tmp = self.path.with_name(f"{PROGRESS}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps(record))
+                os.replace(tmp, self.path)
+            except OSError:
+                pass  # bookkeeping only: never fail training over it

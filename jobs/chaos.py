@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Chaos for soak runs: SIGKILL a random elastic-train worker every MTBF seconds.
+
+    python jobs/chaos.py --mtbf 30 --duration 600 [--match checkpoints/soak] [--seed 1]
+
+Workers are the processes torchrun starts for ``-m elastic_train`` (not the agents); ``--match``
+narrows them to those whose command line contains a string (e.g. their --log-dir), so a chaos run
+never touches other jobs on the machine. Each kill is printed as one JSON line. The script stops
+after ``--duration`` seconds, or once no worker has been seen for ``--idle-exit`` seconds (the job
+ended). Only this machine's processes are touched; run one per node for a multi-node soak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def workers(match: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        is_worker = "-m" in args and "elastic_train" in args and not any("torchrun" in a for a in args)
+        if is_worker and "-u" in args and (not match or any(match in a for a in args)):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mtbf", type=float, required=True, help="seconds between kills")
+    parser.add_argument("--duration", type=float, default=600.0, help="stop after this many seconds")
+    parser.add_argument("--match", default="", help="only workers whose command line contains this")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--idle-exit", type=float, default=30.0, help="stop when no worker was seen this long")
+    args = parser.parse_args()
+    if args.mtbf <= 0:
+        parser.error("--mtbf must be > 0 seconds")
+    rng = random.Random(args.seed)
+    start = last_seen = time.monotonic()
+    next_kill = start + args.mtbf
+    kills = 0
+    while time.monotonic() - start < args.duration:
+        time.sleep(0.2)
+        found = workers(args.match)
+        now = time.monotonic()
+        if found:
+            last_seen = now
+        elif now - last_seen > args.idle_exit:
+            break
+        if now >= next_kill and found:
+            victim = rng.choice(found)
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kills += 1
+            print(json.dumps({"event": "chaos_kill", "pid": victim, "time": time.time(), "kills": kills}), flush=True)
+            next_kill = now + args.mtbf
+    print(
+        json.dumps({"event": "chaos_done", "kills": kills, "seconds": round(time.monotonic() - start, 1)}), flush=True
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

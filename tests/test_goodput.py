@@ -1,0 +1,42 @@
+"""Goodput bookkeeping: recoveries, lost time, recomputed steps, the summary lines."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
+
+
+def test_a_recovery_is_counted_and_timed_until_the_run_is_back_where_it_was(tmp_path: Path) -> None:
+    acct = Accounting(job_start=time.time() - 100)
+    tracker = ProgressTracker(tmp_path, acct, enabled=True)
+    failed_at = time.time() - 5
+    tracker.begin_recovery(
+        "failure", resumed_step=10, previous={"job_start": acct.job_start, "step": 13, "time": failed_at}
+    )
+    assert acct.restarts == {"failure": 1} and acct.recomputed_steps == 3
+    for step in (11, 12):
+        tracker.on_step(step)
+    assert acct.lost_s == 0.0, "not back at step 13 yet"
+    tracker.on_step(13)
+    assert 5 <= acct.lost_s < 10
+    progress = read_progress(tmp_path)
+    assert progress is not None and progress["job_start"] == acct.job_start and progress["step"] >= 11
+
+
+def test_summary_lines_and_goodput() -> None:
+    now = time.time()
+    acct = Accounting(job_start=now - 200, restarts={"failure": 1, "preemption": 2}, lost_s=12.5, recomputed_steps=4)
+    lines = acct.summary_lines(productive_s=150.0, now=now)
+    assert lines[2] == "Restarts: 3 (failure: 1, preemption: 2)"
+    assert lines[3] == "Time lost to recovery: 12.500 seconds" and lines[4] == "Steps recomputed: 4"
+    assert lines[5] == "Goodput: 0.75"
+    assert Accounting.from_json(json.loads(json.dumps(acct.to_json()))) == acct
+
+
+def test_a_missing_or_garbled_progress_file_reads_as_none(tmp_path: Path) -> None:
+    assert read_progress(tmp_path) is None
+    (tmp_path / ".progress.json").write_text("{oops")
+    assert read_progress(tmp_path) is None
