@@ -53,6 +53,18 @@ def configure_threads(cfg: TrainConfig, env: DistEnv) -> int:
     return threads
 
 
+def warn_shared_rendezvous_store(env: DistEnv) -> None:
+    """torchrun's shared store lets restarted workers read the previous round's addresses."""
+    if env.launched and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+        if max_restarts > 0 and env.is_main:
+            log.warning(
+                "shared_rendezvous_store",
+                detail="restarts with the agent's shared store can read stale addresses and waste a restart",
+                hint="export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (jobs/elastic-agent.sh does)",
+            )
+
+
 def _tune_cuda(placement: Placement) -> None:
     if placement.is_cuda:
         torch.backends.cudnn.benchmark = True
@@ -90,6 +102,7 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     # Fault markers sit beside the checkpoints: a fault fires once per run, across restarts.
     faults = FaultInjector.from_environ(env.rank, cfg.checkpoint_dir / ".faults")
     _tune_cuda(placement)
+    warn_shared_rendezvous_store(env)
     preemption = PreemptionFlag()
     preemption.install()  # from here on SIGTERM/SIGUSR1/SIGUSR2 mean "checkpoint and exit 75"
     try:
