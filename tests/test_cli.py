@@ -21,11 +21,20 @@ def test_single_process_run_prints_the_seeds_lines_and_writes_logs(tmp_path: Pat
     assert lines[1].startswith("Backend: gloo, device: cpu, model: vit")
     epoch_lines = [line for line in lines if line.startswith("Epoch ")]
     assert len(epoch_lines) == 2 and all(SEED_EPOCH_LINE.match(line) for line in epoch_lines), epoch_lines
-    tail = lines[-6:]
-    assert tail[0] == "Training Summary:"
+    # The seed's summary block, then our goodput lines, then the seed's last line.
+    tail = lines[lines.index("Training Summary:") :]
     assert tail[1].startswith("Total training time: ") and tail[1].endswith(" seconds")
     assert tail[2].startswith("Throughput: ") and tail[2].endswith(" images/second")
-    assert tail[3:] == ["Total GPUs used: 0", "Total processes used: 1", "Training completed successfully."]
+    assert tail[3:5] == ["Total GPUs used: 0", "Total processes used: 1"]
+    assert [line.split(":")[0] for line in tail[5:11]] == [
+        "Wall time since job start",
+        "Productive step time",
+        "Restarts",
+        "Time lost to recovery",
+        "Steps recomputed",
+        "Goodput",
+    ]
+    assert tail[7] == "Restarts: 0" and tail[11:] == ["Training completed successfully."]
     metrics = read_jsonl(logs / "metrics.jsonl")
     assert [m["epoch"] for m in metrics] == [1, 2]
     for m in metrics:

@@ -22,7 +22,8 @@ def test_torchrun_two_processes_prints_the_seeds_lines(tmp_path: Path) -> None:
     assert "global batch: 32, per-process batch: 16" in done.stdout
     assert sum(bool(SEED_EPOCH_LINE.match(line)) for line in lines) == 2
     summary = lines[lines.index("Training Summary:") :]
-    assert summary[3:] == ["Total GPUs used: 0", "Total processes used: 2", "Training completed successfully."]
+    assert summary[3:5] == ["Total GPUs used: 0", "Total processes used: 2"]
+    assert summary[-2].startswith("Goodput: ") and summary[-1] == "Training completed successfully."
     assert not done.leftovers
     for rank in (0, 1):
         started = events(tmp_path, rank, "start")[0]
