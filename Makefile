@@ -30,9 +30,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check elastic_train tests benchmarks jobs
 	$(VENV)/bin/mypy
 
+## Every benchmark (~30 minutes on 2 cores; run it on a quiet machine), then docs/benchmarks.md
+## is rewritten from the results in benchmarks/results/. BENCH_ARGS=--quick checks the pipeline.
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py --repeats 5
-	$(PY) benchmarks/checkpoint.py --repeats 5
+	$(PY) benchmarks/suite.py $(BENCH_ARGS)
 
 clean:
 	rm -rf logs .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -6,7 +6,7 @@ Prints three ratios, each against a baseline measured in the same run on the sam
   / a synchronous ``torch.save`` + fsync of the same state. Target <= 0.10.
 * save bandwidth: bytes of a synchronous sharded save (both ranks writing in parallel, commit
   included) / its wall time, over ``dd ... conv=fsync`` bandwidth. Target >= 0.7.
-* load: ``elastic_train`` load (read, sha256-verify, deserialise every shard)
+* load: ``elastic_train`` load (read, verify size and xxh3-128 of every shard, set the state)
   / ``torch.load(weights_only=True)`` of the same state, both with a warm page cache. Target <= 1.2.
 
     python benchmarks/checkpoint.py [--mb 200] [--repeats 5] [--dir /path/on/the/disk] [--json out.json]

@@ -94,6 +94,7 @@ def main() -> None:
         "bare_img_s": statistics.median(b for b, _ in pairs),
         "elastic_train_img_s": statistics.median(o for _, o in pairs),
         "ratio": ratio,
+        "pair_ratios": [o / b for b, o in pairs],
         "repeats": args.repeats,
         "target": 0.97,
     }

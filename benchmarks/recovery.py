@@ -63,7 +63,8 @@ def committed(base: Path, step: int) -> bool:
     return any(e["step"] >= step for e in all_events(base, "checkpoint_committed"))
 
 
-def kill_recovery(base: Path) -> float:
+def kill_recovery(base: Path) -> dict[str, float]:
+    """Seconds from the kill to the first step after resume, and where they went."""
     with rendezvous_store(base) as endpoint:
         env = {"ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=12"}
         agents = [Agent(n, base, endpoint, "bench-kill", RUN, env=env) for n in ("a", "b")]
@@ -72,10 +73,17 @@ def kill_recovery(base: Path) -> float:
             killed = event_time(all_events(base, "fault_injected")[0])
             wait_for(lambda: bool(all_events(base, "resumed")), 120, "the restart")
             time.sleep(3)
-            return first_step_after(base, killed)
+            total = first_step_after(base, killed)
         finally:
             for agent in agents:
                 agent.cleanup()
+    # The restarted workers' `start` events: when each process began, and its startup phases.
+    starts = [e for e in all_events(base, "start") if e["process_started"] > killed]
+    phases: dict[str, float] = {"until_relaunch": min(e["process_started"] for e in starts) - killed}
+    for name in starts[0]["startup_s"]:
+        phases[name] = max(e["startup_s"][name] for e in starts)  # the slowest rank sets the pace
+    phases["until_first_step"] = total - sum(phases.values())
+    return {"total": total, **phases}
 
 
 def loss_and_join(base: Path) -> tuple[float, float]:
@@ -106,22 +114,22 @@ def loss_and_join(base: Path) -> tuple[float, float]:
 
 
 def soak_goodput(base: Path, seconds: float, mtbf: float) -> dict[str, object]:
-    # Sized to last about `seconds` on 2 CPU processes (~0.45 s per step of 128 images).
-    steps = max(20, int(seconds / 0.6 / 3))
+    # Sized to last about `seconds` without failures on 2 CPU processes: an epoch of the synthetic
+    # set is 32 steps of 128 images, ~12 s of training plus ~1.5 s of validation here.
+    epochs = max(3, round(seconds / 14))
     args = [
         "--batch-size",
         "128",
-        "--max-steps-per-epoch",
-        str(steps),
         "--epochs",
-        "3",
+        str(epochs),
         "--target-accuracy",
         "1.0",
         "--patience",
         "0",
         "--checkpoint-every",
-        "10",
+        "2",
     ]
+    started = time.monotonic()
     with rendezvous_store(base) as endpoint:
         agents = [Agent(n, base, endpoint, "bench-soak", args, env={"ET_MAX_RESTARTS": "100"}) for n in ("a", "b")]
         chaos = subprocess.Popen(
@@ -147,12 +155,14 @@ def soak_goodput(base: Path, seconds: float, mtbf: float) -> dict[str, object]:
             chaos.kill()
             for agent in agents:
                 agent.cleanup()
+    wall = time.monotonic() - started
     kills = sum(1 for line in (chaos.stdout.read() if chaos.stdout else "").splitlines() if "chaos_kill" in line)
     done = all_events(base, "done")
     if not done:
         raise RuntimeError("the soak run did not finish")
     return {
         "goodput": done[-1]["goodput"],
+        "wall_s": wall,
         "kills": kills,
         "restarts": done[-1]["restarts"],
         "lost_s": done[-1]["lost_s"],
@@ -167,21 +177,26 @@ def main() -> None:
     parser.add_argument("--mtbf", type=float, default=30.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    kills, shrinks, grows = [], [], []
+    kill_runs: list[dict[str, float]] = []
+    shrinks, grows = [], []
     for i in range(args.repeats):
         with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-            kills.append(kill_recovery(Path(a)))
+            kill_runs.append(kill_recovery(Path(a)))
             shrink, grow = loss_and_join(Path(b))
             shrinks.append(shrink)
             grows.append(grow)
         print(
-            f"run {i + 1}: kill -> step {kills[-1]:.1f} s, node loss -> step {shrink:.1f} s, join -> step {grow:.1f} s",
+            f"run {i + 1}: kill -> step {kill_runs[-1]['total']:.1f} s, node loss -> step {shrink:.1f} s, "
+            f"join -> step {grow:.1f} s",
             flush=True,
         )
+    kills = [run["total"] for run in kill_runs]
+    breakdown = {name: statistics.median(run[name] for run in kill_runs) for name in kill_runs[0] if name != "total"}
     with tempfile.TemporaryDirectory() as s:
         soak = soak_goodput(Path(s), args.soak, args.mtbf)
     result = {
         "kill_to_step_s": statistics.median(kills),
+        "kill_breakdown_s": breakdown,
         "node_loss_to_step_s": statistics.median(shrinks),
         "join_to_step_s": statistics.median(grows),
         "repeats": args.repeats,
@@ -190,6 +205,7 @@ def main() -> None:
         **soak,
     }
     print(f"kill -> first step after resume: {result['kill_to_step_s']:.1f} s (median of {args.repeats})")
+    print("  of which: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in breakdown.items()))
     print(f"node loss -> first step at world size 1: {result['node_loss_to_step_s']:.1f} s")
     print(f"node join -> first step at world size 2: {result['join_to_step_s']:.1f} s")
     print(

@@ -36,6 +36,7 @@ from elastic_train.resilience.preemption import (
     MARKER as PREEMPTED_MARKER,
 )
 from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.startup import StartupClock
 from elastic_train.trainer import Trainer
 
 log = structlog.get_logger(__name__)
@@ -97,6 +98,8 @@ def _announce_resume(console: Console, loaded: Loaded) -> None:
 
 @record
 def train(cfg: TrainConfig, env: DistEnv) -> int:
+    clock = StartupClock()
+    clock.mark("interpreter_and_imports")
     placement = choose_placement(cfg.device, env)
     threads = configure_threads(cfg, env)
     # Fault markers sit beside the checkpoints: a fault fires once per run, across restarts.
@@ -107,7 +110,8 @@ def train(cfg: TrainConfig, env: DistEnv) -> int:
     preemption.install()  # from here on SIGTERM/SIGUSR1/SIGUSR2 mean "checkpoint and exit 75"
     try:
         with process_group(env, placement, cfg.collective_timeout):
-            return _train_in_group(cfg, env, placement, faults, preemption, threads)
+            clock.mark("process_group")
+            return _train_in_group(cfg, env, placement, faults, preemption, threads, clock)
     finally:
         preemption.uninstall()
 
@@ -119,16 +123,26 @@ def _train_in_group(
     faults: FaultInjector,
     preemption: PreemptionFlag,
     threads: int,
+    clock: StartupClock,
 ) -> int:
     console = Console(env)
     control = ControlPlane(placement)
     bundle = build_data(cfg, env)
+    clock.mark("data")
     checkpointer = Checkpointer(checkpoint_config(cfg), env, faults, cfg.fingerprint(), control.group)
     checkpointer.start()
     try:
         loaded = checkpointer.resume()
+        clock.mark("checkpoint_load")
         attach_rank_log(cfg.log_dir, env)
-        log.info("start", threads=threads, device=str(placement.device), version=__version__)
+        log.info(
+            "start",
+            threads=threads,
+            device=str(placement.device),
+            version=__version__,
+            process_started=clock.started,
+            startup_s=clock.phases(),
+        )
         tracker = _progress_tracker(cfg, env, loaded)
         if should_manage_checkpoints(env):
             clear_marker(cfg.checkpoint_dir)  # a preemption marker describes the previous attempt

@@ -16,7 +16,11 @@ import pytest
 
 from tests.helpers import QUICK, ROOT, pid_alive, run
 
-SCRIPTS = sorted(p for p in (ROOT / "jobs").rglob("*") if p.suffix in (".sbatch", ".sh"))
+SCRIPTS = [
+    *sorted(p for p in (ROOT / "jobs").rglob("*") if p.suffix in (".sbatch", ".sh")),
+    ROOT / ".ci" / "run",
+    ROOT / ".ci" / "local-slurm.sh",
+]
 SHELLCHECK = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
 VENV = Path(sys.prefix)
 
@@ -76,6 +80,7 @@ def test_gpu_monitor_is_stopped_by_pid_even_when_training_fails(tmp_path: Path) 
         "ET_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
         "SLURM_GPUS_ON_NODE": "1",
         "SLURM_JOB_ID": "77",
+        "ET_MAX_REQUEUES": "0",  # not a real job: never ask Slurm to requeue it
         "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
     }
     # A GPU node (as far as the script can tell) and a trainer that fails on a bad flag.
@@ -98,3 +103,57 @@ def test_unknown_runtime_is_refused_with_a_hint(tmp_path: Path) -> None:
     env = {"SLURM_SUBMIT_DIR": str(ROOT), "ET_RUNTIME": "container", "ET_LOG_DIR": str(tmp_path)}
     done = run(["bash", str(ROOT / "jobs" / "train.sbatch")], timeout=30, env=env)
     assert done.returncode == 2 and "needs ET_CONTAINER" in done.stderr
+
+
+def finish(tmp_path: Path, rc: int, restarts: str | None, preempted: bool, **knobs: str) -> tuple[int, str, str]:
+    """Run et_finish (jobs/lib/common.sh) after a launcher exit `rc`, with a fake `scontrol`."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    calls = tmp_path / "scontrol.calls"
+    calls.unlink(missing_ok=True)
+    fake = tmp_path / "bin" / "scontrol"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    (ckpt / ".preempted.json").unlink(missing_ok=True)
+    marker = f'echo \'{{"step": 7, "committed": true}}\' > {ckpt}/.preempted.json' if preempted else "true"
+    script = (
+        f"set -euo pipefail; ET_PROJECT_DIR={ROOT}; ET_CHECKPOINT_DIR={ckpt}; source jobs/lib/common.sh\n"
+        f"et_stamp_launch; touch -d '-1 seconds' \"$ET_LAUNCH_STAMP\"; {marker}; et_finish {rc}\n"
+    )
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", **knobs}
+    if restarts is not None:
+        env["SLURM_RESTART_COUNT"] = restarts
+    done = run(["bash", "-c", script], timeout=30, env=env)
+    return done.returncode, done.stderr, calls.read_text() if calls.exists() else ""
+
+
+@pytest.mark.timeout(60)
+def test_requeue_policy_of_the_job_scripts(tmp_path: Path) -> None:
+    # Success: nothing to requeue.
+    assert finish(tmp_path, 0, None, preempted=False)[::2] == (0, "")
+    # Preempted on the first run (SLURM_RESTART_COUNT unset reads as 0): requeue, exit 0.
+    rc, err, calls = finish(tmp_path, 1, None, preempted=True)
+    assert (rc, calls) == (0, "requeue 4242\n") and "restart 1 of at most 1000" in err
+    # A crash is requeued below the cap, and not at it: the job then fails with the launcher's code.
+    rc, err, calls = finish(tmp_path, 1, "4", preempted=False)
+    assert (rc, calls) == (0, "requeue 4242\n") and "failed with exit code 1" in err
+    rc, err, calls = finish(tmp_path, 1, "5", preempted=False)
+    assert (rc, calls) == (1, "") and "SLURM_RESTART_COUNT=5 has reached the cap of 5" in err
+    # Preemption past its own cap ends with 75, "preempted, requeue me", for whoever looks.
+    rc, err, calls = finish(tmp_path, 1, "3", preempted=True, ET_MAX_PREEMPT_REQUEUES="3")
+    assert (rc, calls) == (75, "") and "reached the cap of 3" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_marker_older_than_the_launch_is_not_a_preemption(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".preempted.json").write_text('{"step": 3}')
+    os.utime(ckpt / ".preempted.json", (time.time() - 60, time.time() - 60))
+    script = (
+        f"set -euo pipefail; ET_PROJECT_DIR={ROOT}; ET_CHECKPOINT_DIR={ckpt}; source jobs/lib/common.sh\n"
+        "et_stamp_launch; et_finish 1\n"
+    )
+    done = run(["bash", "-c", script], timeout=30, env={"ET_MAX_REQUEUES": "0", "SLURM_JOB_ID": "1"})
+    assert done.returncode == 1 and "failed with exit code 1" in done.stderr and "preempted" not in done.stderr

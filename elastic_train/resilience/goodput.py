@@ -9,7 +9,10 @@
 * ``Goodput = productive time / (now - job_start)``.
 
 Rank 0 keeps ``<checkpoint-dir>/.progress.json`` (job start, the highest step reached and when),
-rewritten at most every 0.2 s, so the next attempt knows how far the failed one got. The
+rewritten after every step, so the next attempt knows exactly how far the failed one got. The
+write is a ~100-byte atomic replace; where it is slow (three in a row over ``SLOW_WRITE_S``,
+as on a loaded shared filesystem) it is throttled to one every ``THROTTLED_EVERY_S``, and the step count of a
+recovery may then be short by the steps of that interval. The
 accounting itself travels in every checkpoint. Limits: an attempt that dies before its first
 checkpoint starts the job afresh, and its time is not counted as lost.
 """
@@ -24,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS = ".progress.json"
-WRITE_EVERY_S = 0.2  # so the next attempt knows the reached step to within 0.2 s of training
+SLOW_WRITE_S = 0.002  # a write slower than this would cost over 1% of a 0.2 s step
+THROTTLED_EVERY_S = 0.2
 
 
 @dataclass
@@ -78,6 +82,8 @@ class ProgressTracker:
         self.accounting = accounting
         self.enabled = enabled
         self._last_write = 0.0
+        self._write_every = 0.0  # every step until writes prove slow
+        self._slow_writes = 0  # consecutive; one hiccup of a busy disk is not a slow filesystem
         self._recovering_until: int | None = None  # step the failed attempt had reached
         self._progress_time = 0.0
 
@@ -94,7 +100,7 @@ class ProgressTracker:
         if self._recovering_until is not None and step >= self._recovering_until:
             self.accounting.lost_s += max(0.0, now - self._progress_time)
             self._recovering_until = None
-        if self.enabled and now - self._last_write >= WRITE_EVERY_S:
+        if self.enabled and now - self._last_write >= self._write_every:
             self._last_write = now
             record = {"job_start": self.accounting.job_start, "step": step, "time": now}
             tmp = self.path.with_name(f"{PROGRESS}.tmp-{os.getpid()}")
@@ -103,3 +109,6 @@ class ProgressTracker:
                 os.replace(tmp, self.path)
             except OSError:
                 pass  # bookkeeping only: never fail training over it
+            self._slow_writes = self._slow_writes + 1 if time.time() - now > SLOW_WRITE_S else 0
+            if self._slow_writes >= 3:
+                self._write_every = THROTTLED_EVERY_S

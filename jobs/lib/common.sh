@@ -89,3 +89,53 @@ et_run_forwarding() {
   fi
   return "$rc"
 }
+
+# Requeue: a job whose trainer was preempted (it committed a checkpoint and wrote
+# $ET_CHECKPOINT_DIR/.preempted.json) or that crashed puts itself back in the queue with
+# `scontrol requeue`: same job id, SLURM_RESTART_COUNT + 1, output appended, and the trainer
+# resumes from checkpoints/latest by itself. torchrun exits 1 whatever its workers returned, so
+# the marker, not the exit code, tells a preemption from a crash; it counts only when it is newer
+# than the stamp taken before the launch (a marker of an earlier run says nothing about this one).
+#   ET_MAX_REQUEUES          crash requeues allowed (default 5): a run that keeps crashing ends FAILED
+#   ET_MAX_PREEMPT_REQUEUES  preemption requeues allowed (default 1000: a long run chained by time
+#                            limits requeues once per limit)
+# Both compare with SLURM_RESTART_COUNT, which counts every requeue and is unset on the first run.
+
+et_stamp_launch() {
+  ET_LAUNCH_STAMP=$(mktemp "${TMPDIR:-/tmp}/elastic-train-launch.XXXXXX")
+}
+
+et_was_preempted() {
+  [ -n "${ET_LAUNCH_STAMP:-}" ] && [ -e "$ET_LAUNCH_STAMP" ] && [ "$ET_CHECKPOINT_DIR/.preempted.json" -nt "$ET_LAUNCH_STAMP" ]
+}
+
+# Decide what the job does after the launcher returned with status $1: exit, or requeue itself.
+et_finish() {
+  local rc=$1 restarts=${SLURM_RESTART_COUNT:-0} cap reason preempted=0
+  trap - TERM INT HUP QUIT USR1 USR2  # the requeue's own SIGTERM must not be forwarded anywhere
+  et_was_preempted && preempted=1
+  rm -f "${ET_LAUNCH_STAMP:-}"
+  if [ "$preempted" = 1 ]; then
+    reason="preempted ($(cat "$ET_CHECKPOINT_DIR/.preempted.json"))"
+    cap=${ET_MAX_PREEMPT_REQUEUES:-1000}
+    rc=75  # the trainer's "preempted, requeue me" code, whatever torchrun returned
+  elif [ "$rc" = 0 ]; then
+    et_log "training finished (exit 0)"
+    exit 0
+  else
+    reason="failed with exit code $rc"
+    cap=${ET_MAX_REQUEUES:-5}
+  fi
+  if [ -z "${SLURM_JOB_ID:-}" ]; then
+    et_log "$reason; not under Slurm, so not requeued"
+  elif [ "$restarts" -ge "$cap" ]; then
+    et_log "$reason; not requeued: SLURM_RESTART_COUNT=$restarts has reached the cap of $cap"
+  else
+    et_log "$reason; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) of at most $cap)"
+    if scontrol requeue "$SLURM_JOB_ID"; then
+      exit 0  # Slurm ends this run and starts the job again, output appended
+    fi
+    et_log "scontrol requeue $SLURM_JOB_ID failed (a cancelled job cannot be requeued)"
+  fi
+  exit "$rc"
+}

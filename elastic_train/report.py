@@ -1,0 +1,224 @@
+"""``python -m elastic_train.report LOG_DIR [-o report.png]``: one picture of a run, and a summary.
+
+Reads what a run leaves in its ``--log-dir`` (``metrics.jsonl`` and the ``rank-N.jsonl`` event
+logs, which every attempt appends to, so restarts and requeues are all there) and draws:
+
+* loss and accuracy per epoch, train and validation;
+* throughput per epoch (global images per second), with the world size it ran at;
+* the world size over wall time, one bar per attempt, with markers for restarts (by cause),
+  preemptions, injected faults and checkpoint commits; the goodput in the title.
+
+It prints a short text summary too. matplotlib is an optional extra
+(``pip install 'elastic-train[report]'``); without it the summary is still printed and the exit
+code is 2 with a message saying what to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from elastic_train.errors import EXIT_OK, EXIT_USAGE
+
+CAUSE_COLORS = {"failure": "tab:red", "hang": "tab:purple", "preemption": "tab:orange"}
+
+
+def _time(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Complete JSON lines only: a line cut short by a crash is skipped, not fatal."""
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+@dataclass
+class Attempt:
+    """One launch of the workers: from its processes' start to rank 0's last event."""
+
+    start: float
+    end: float
+    world_size: int
+
+
+@dataclass
+class Run:
+    log_dir: Path
+    epochs: list[dict[str, Any]]  # the last record of each epoch, in epoch order
+    events: list[dict[str, Any]]  # every rank's events, in time order
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @property
+    def origin(self) -> float:
+        return min([a.start for a in self.attempts] + [_time(e) for e in self.events[:1]] or [0.0])
+
+    def named(self, name: str, rank: int | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == name and (rank is None or e.get("rank") == rank)]
+
+    @property
+    def done(self) -> dict[str, Any] | None:
+        finished = self.named("done", rank=0)
+        return finished[-1] if finished else None
+
+    def restart_causes(self) -> Counter[str]:
+        return Counter(str(e.get("cause", "failure")) for e in self.named("recovery", rank=0))
+
+
+def load_run(log_dir: Path) -> Run:
+    metrics = log_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(
+            f"no metrics.jsonl in {log_dir}: pass the --log-dir of a run that finished at least one epoch"
+        )
+    by_epoch: dict[int, dict[str, Any]] = {}
+    for record in _read_jsonl(metrics):
+        if "epoch" in record:
+            by_epoch[int(record["epoch"])] = record  # a re-run epoch (after a restart) replaces its first try
+    events = [e for path in sorted(log_dir.glob("rank-*.jsonl")) for e in _read_jsonl(path) if "timestamp" in e]
+    events.sort(key=_time)
+    run = Run(log_dir, [by_epoch[k] for k in sorted(by_epoch)], events)
+    run.attempts = _attempts(run.named("start", rank=0), [e for e in events if e.get("rank") == 0])
+    return run
+
+
+def _attempts(starts: list[dict[str, Any]], rank0: list[dict[str, Any]]) -> list[Attempt]:
+    out = []
+    for i, start in enumerate(starts):
+        begin = float(start.get("process_started", _time(start)))
+        until = _time(starts[i + 1]) if i + 1 < len(starts) else float("inf")
+        during = [_time(e) for e in rank0 if _time(start) <= _time(e) < until]
+        out.append(Attempt(begin, max(during, default=_time(start)), int(start.get("world_size", 0))))
+    return out
+
+
+def summary_lines(run: Run) -> list[str]:
+    lines = [f"Run: {run.log_dir}"]
+    if run.epochs:
+        last, best = run.epochs[-1], max(r["val_acc"] for r in run.epochs)
+        lines.append(f"Epochs: {len(run.epochs)} (last val_acc {last['val_acc']:.4f}, best {best:.4f})")
+        lines.append(f"Throughput: median {statistics.median(r['throughput'] for r in run.epochs):.1f} img/s")
+    sizes = [a.world_size for a in run.attempts]
+    changes = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
+    lines.append(f"World size: {' -> '.join(map(str, changes)) or 'unknown'} over {len(run.attempts)} attempt(s)")
+    causes = run.restart_causes()
+    detail = ", ".join(f"{cause}: {n}" for cause, n in sorted(causes.items()))
+    lines.append(f"Restarts: {sum(causes.values())}" + (f" ({detail})" if detail else ""))
+    lines.append(f"Checkpoints committed: {len(run.named('checkpoint_committed', rank=0))}")
+    done = run.done
+    if done is not None:
+        lines.append(
+            f"Goodput: {done['goodput']:.2f} (time lost to recovery {done['lost_s']:.1f} s, "
+            f"steps recomputed {done['recomputed_steps']})"
+        )
+    else:
+        lines.append("Goodput: n/a (the run has not finished)")
+    return lines
+
+
+def draw(run: Run, output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a compute node
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    (loss_ax, acc_ax), (tput_ax, ws_ax) = axes
+    epochs = [r["epoch"] for r in run.epochs]
+    for ax, key, label in ((loss_ax, "loss", "Loss"), (acc_ax, "acc", "Accuracy")):
+        ax.plot(epochs, [r[f"train_{key}"] for r in run.epochs], "o-", label="train")
+        ax.plot(epochs, [r[f"val_{key}"] for r in run.epochs], "s-", label="validation")
+        ax.set(title=f"{label} per epoch", xlabel="epoch", ylabel=label.lower())
+        ax.legend()
+        ax.grid(alpha=0.3)
+    bars = tput_ax.bar(epochs, [r["throughput"] for r in run.epochs], color="tab:blue")
+    tput_ax.bar_label(bars, labels=[f"ws {r['world_size']}" for r in run.epochs], fontsize=8)
+    tput_ax.set(title="Throughput per epoch", xlabel="epoch", ylabel="images / s")
+    tput_ax.grid(alpha=0.3, axis="y")
+    _draw_timeline(run, ws_ax)
+    done = run.done
+    goodput = f"goodput {done['goodput']:.2f}" if done is not None else "not finished"
+    name = "/".join(run.log_dir.resolve().parts[-2:])
+    fig.suptitle(f"elastic-train run {name}: {goodput}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+
+
+def _draw_timeline(run: Run, ax: Any) -> None:
+    t0 = run.origin
+    for a in run.attempts:
+        ax.broken_barh([(a.start - t0, max(a.end - a.start, 0.1))], (0, a.world_size), color="tab:green", alpha=0.5)
+    seen: set[str] = set()
+
+    def mark(event: dict[str, Any], color: str, label: str, style: str = "--") -> None:
+        ax.axvline(_time(event) - t0, color=color, linestyle=style, label=None if label in seen else label)
+        seen.add(label)
+
+    for e in run.named("recovery", rank=0):
+        cause = str(e.get("cause", "failure"))
+        mark(e, CAUSE_COLORS.get(cause, "tab:red"), f"restart ({cause})")
+    for e in run.named("preempted", rank=0):
+        mark(e, "tab:orange", "preemption signal", ":")
+    for e in run.named("fault_injected"):
+        mark(e, "black", "injected fault", ":")
+    commits = [_time(e) - t0 for e in run.named("checkpoint_committed", rank=0)]
+    if commits:
+        ax.plot(commits, [0.05] * len(commits), "|", color="tab:blue", markersize=12, label="checkpoint commit")
+    top = max([a.world_size for a in run.attempts] + [1])
+    ax.set(
+        title="World size over time",
+        xlabel="seconds since the job started",
+        ylabel="processes",
+        ylim=(0, top + 0.5),
+    )
+    ax.set_yticks(range(top + 1))
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastic_train.report", description=__doc__.splitlines()[0])
+    parser.add_argument("log_dir", type=Path, help="the --log-dir of a run")
+    parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (default LOG_DIR/report.png)")
+    args = parser.parse_args(argv)
+    try:
+        run = load_run(args.log_dir)
+    except FileNotFoundError as exc:
+        print(f"elastic-train report: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for line in summary_lines(run):
+        print(line)
+    output = args.output or args.log_dir / "report.png"
+    try:
+        draw(run, output)
+    except ModuleNotFoundError as exc:
+        if exc.name != "matplotlib" and not str(exc.name).startswith("matplotlib."):
+            raise
+        print(
+            "elastic-train report: error: the plot needs matplotlib: pip install 'elastic-train[report]' "
+            "(the summary above needs nothing)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    print(f"Report: {output}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""No stale docs: every command in a ```bash block of README.md or docs/*.md is run by a test.
+
+Each documented command must match one rule below, and the rule must hold:
+
+* ``RUN_HERE``: run verbatim by ``test_quickstart_commands_run_verbatim``, in order, in one fresh
+  directory (the trainer's quick run leaves the logs and checkpoints the later commands read).
+* ``COVERED_BY``: run, in the same form, by the named test (which must exist), e.g. the sbatch
+  submissions by tests/test_slurm.py and the agent script by tests/test_elastic.py.
+* ``CLUSTER_EXAMPLE``: GPU and multi-node examples that cannot run on a CPU machine; checked
+  statically: every repository file they name exists and the trainer flags parse and validate.
+
+Output samples and diagrams go in ```text blocks, which are not commands.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_train.cli import parse_config
+from tests.helpers import ROOT, run
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+RUN_HERE = [
+    "python -m elastic_train --epochs 2 --max-steps-per-epoch 10",
+    "python -m elastic_train.ckpt list checkpoints",
+    "python -m elastic_train.ckpt verify checkpoints",
+    "python -m elastic_train.ckpt inspect checkpoints",
+    "python -m elastic_train.ckpt export checkpoints -o model.safetensors",
+    "python -m elastic_train.report logs -o report.png",
+]
+ELASTIC = "tests/test_elastic.py::"
+SLURM = "tests/test_slurm.py::"
+COVERED_BY: dict[str, str] = {
+    r"make demo": "Makefile target; .ci/run runs `make test`, test_make_targets_exist checks `demo`",
+    r"make test": "Makefile target; .ci/run runs it",
+    r"make bench": "Makefile target; test_make_targets_exist checks it",
+    r"sudo \.ci/local-slurm\.sh (start|stop)": ".ci/run",
+    r"python -m elastic_train\.rendezvous --port 29400 &": ELASTIC
+    + "test_losing_the_node_at_the_rendezvous_endpoint_with_the_standalone_store_is_survived",
+    r"ET_RDZV_ENDPOINT=\S+ ET_NNODES=1:4 jobs/elastic-agent\.sh --epochs 100": ELASTIC
+    + "test_a_new_node_joining_grows_the_job_back_to_two",
+    # The torchrun line that jobs/elastic-agent.sh runs (the docs spell it out; the test runs the script).
+    r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 .*-m elastic_train .*": ELASTIC
+    + "test_a_new_node_joining_grows_the_job_back_to_two",
+    r"sbatch --cpus-per-task=2 jobs/train\.sbatch --epochs 2 --max-steps-per-epoch 10": SLURM
+    + "test_train_sbatch_runs_to_completion",
+    r"scancel -s USR1 -b JOBID": SLURM + "test_usr1_checkpoints_requeues_and_resumes_exactly",
+    r"python jobs/chaos\.py --mtbf 30 --duration 600": ELASTIC
+    + "test_chaos_kills_workers_every_mtbf_and_the_job_still_finishes",
+    r"python benchmarks/\w+\.py": "make bench",
+}
+CLUSTER_EXAMPLE = [r"--gpus", r"--nproc_per_node=4", r"apptainer", r"ET_CONTAINER="]
+
+
+def commands(path: Path) -> list[str]:
+    """The commands of the ```bash blocks: continuations joined, comments and blank lines dropped."""
+    found, in_bash, pending = [], False, ""
+    for line in path.read_text().splitlines():
+        if line.strip().startswith("```"):  # fences may be indented (inside a list item)
+            in_bash = not in_bash and line.strip() == "```bash"
+            continue
+        if not in_bash:
+            continue
+        text = re.sub(r"\s{2,}#.*$", "", line).strip()  # a trailing "   # comment"
+        if not text or text.startswith("#"):
+            continue
+        pending += text
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip() + " "
+            continue
+        found.append(pending)
+        pending = ""
+    return found
+
+
+ALL = [(path, cmd) for path in DOCS for cmd in commands(path)]
+
+
+def rule_for(cmd: str) -> str:
+    if cmd in RUN_HERE:
+        return "run here"
+    for pattern, by in COVERED_BY.items():
+        if re.fullmatch(pattern, cmd) or re.match(pattern + r"(\s|$)", cmd):
+            return f"covered by {by}"
+    if any(re.search(p, cmd) for p in CLUSTER_EXAMPLE):
+        return "cluster example"
+    return "none"
+
+
+def test_the_docs_have_commands() -> None:
+    assert len(ALL) >= 15 and all(rule_for(cmd) != "none" for _, cmd in ALL if cmd in RUN_HERE)
+
+
+@pytest.mark.parametrize(("path", "cmd"), ALL, ids=[f"{p.name}:{c[:60]}" for p, c in ALL])
+def test_every_documented_command_is_covered(path: Path, cmd: str) -> None:
+    rule = rule_for(cmd)
+    assert rule != "none", f"{path.name}: `{cmd}` is run by no test: add it to RUN_HERE/COVERED_BY or fix the doc"
+    if rule.startswith("covered by tests/"):
+        file, _, name = rule.removeprefix("covered by ").partition("::")
+        assert f"def {name}(" in (ROOT / file).read_text(), f"{rule}: no such test"
+    if rule == "cluster example":
+        check_cluster_example(cmd)
+
+
+def check_cluster_example(cmd: str) -> None:
+    words = shlex.split(cmd.replace("$USER", "someone"))
+    for word in words:
+        if word.startswith(("jobs/", "benchmarks/", "elastic_train/")):
+            assert (ROOT / word).exists(), f"`{cmd}` names {word}, which does not exist"
+    if "-m" in words and "elastic_train" in words:
+        trainer = words[words.index("elastic_train") + 1 :]
+    else:
+        script = next(i for i, w in enumerate(words) if w.endswith(".sbatch") or w.endswith(".sh"))
+        trainer = words[script + 1 :]
+    parse_config(trainer)  # raises UsageError on an unknown flag or a bad value
+
+
+def test_make_targets_exist() -> None:
+    for target in ("demo", "test", "bench", "lint"):
+        done = run(["make", "-n", target], timeout=30)
+        assert done.returncode == 0, done.output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_quickstart_commands_run_verbatim(tmp_path: Path) -> None:
+    documented = {cmd for _, cmd in ALL}
+    for cmd in RUN_HERE:
+        assert cmd in documented, f"RUN_HERE lists `{cmd}`, which no doc shows any more"
+        words = shlex.split(cmd)
+        assert words[0] == "python"
+        done = run([sys.executable, *words[1:]], timeout=240, cwd=tmp_path)
+        assert done.returncode == 0, f"`{cmd}` failed:\n{done.output}"
+    assert (tmp_path / "model.safetensors").stat().st_size > 100_000
+    assert (tmp_path / "report.png").stat().st_size > 20_000
