@@ -12,8 +12,10 @@
 # The settings that make the tests fast and leak-free (the reasons are measured, not guessed):
 # - AuthInfo=cred_expire=10: a requeued job becomes eligible again cred_expire + 1 s after its
 #   previous run finished; with Slurm's default (120 s) a requeue test waits ~160 s.
-# - ProctrackType cgroup (v1 freezer) where it is writable, else pgid: every process of a job,
-#   torchrun's workers in their own sessions included, is gone before the requeued run starts.
+# - ProctrackType cgroup (v1 freezer) where it is writable: every process of a job, torchrun's
+#   workers in their own sessions included, is gone before the requeued run starts. Else pgid,
+#   which misses processes that left the job's process group (torchrun's workers do): the tests
+#   then also kill what they started, by an environment tag.
 # - KillWait=5: SIGTERM -> SIGKILL grace for cancelled jobs (Slurm's default is 30 s).
 # - MinJobAge=3600: without an accounting database, `scontrol show job` is how a test reads a
 #   finished job's state, exit code and restart count; keep finished jobs visible for an hour.
@@ -97,6 +99,9 @@ write_config() {
   fi
   mkdir -p /etc/slurm
   if [ "$track" = cgroup ]; then
+    if [ -e /etc/slurm/cgroup.conf ] && ! grep -qF "$TAG" /etc/slurm/cgroup.conf; then
+      cp -a /etc/slurm/cgroup.conf /etc/slurm/cgroup.conf.before-elastic-train
+    fi
     printf '%s\nCgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\nConstrainCores=no\nConstrainRAMSpace=no\nConstrainDevices=no\n' \
       "$TAG" >/etc/slurm/cgroup.conf
   fi
@@ -184,7 +189,10 @@ stop_daemon() {  # name pidfile
   kill -TERM "$pid" 2>/dev/null || true
   local _
   for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$pid" 2>/dev/null || true
+  if kill -0 "$pid" 2>/dev/null; then
+    say "$1 ignored SIGTERM for 10 s: SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
   rm -f "$2"
 }
 

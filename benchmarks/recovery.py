@@ -11,7 +11,7 @@ and the goodput of a ``--soak`` seconds run with one worker killed every ``--mtb
 (jobs/chaos.py), as the trainer reports it (productive step time / wall time since job start).
 Target: goodput >= 0.85.
 
-    python benchmarks/recovery.py [--repeats 3] [--soak 180] [--mtbf 30] [--json out.json]
+    python benchmarks/recovery.py [--repeats 3] [--soak 180] [--mtbf 30] [--launcher torchrun|warm] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.elastic_harness import Agent, all_events, event_time, rendezvous_store, wait_for  # noqa: E402
+
+LAUNCHER: dict[str, str] = {}  # ET_LAUNCHER for jobs/elastic-agent.sh, from --launcher
 
 RUN = [
     "--batch-size",
@@ -66,7 +68,7 @@ def committed(base: Path, step: int) -> bool:
 def kill_recovery(base: Path) -> dict[str, float]:
     """Seconds from the kill to the first step after resume, and where they went."""
     with rendezvous_store(base) as endpoint:
-        env = {"ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=12"}
+        env = {**LAUNCHER, "ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=12"}
         agents = [Agent(n, base, endpoint, "bench-kill", RUN, env=env) for n in ("a", "b")]
         try:
             wait_for(lambda: bool(all_events(base, "fault_injected")), 180, "the injected kill")
@@ -88,7 +90,7 @@ def kill_recovery(base: Path) -> dict[str, float]:
 
 def loss_and_join(base: Path) -> tuple[float, float]:
     with rendezvous_store(base) as endpoint:
-        agents = [Agent(n, base, endpoint, "bench-node", RUN) for n in ("a", "b")]
+        agents = [Agent(n, base, endpoint, "bench-node", RUN, env=LAUNCHER) for n in ("a", "b")]
         try:
             wait_for(lambda: committed(base, 5), 180, "a first checkpoint")
             killed = agents[1].kill_node()
@@ -98,7 +100,7 @@ def loss_and_join(base: Path) -> tuple[float, float]:
                 "the shrink",
             )
             shrink = first_step_after(base, killed, world_size=1)
-            joined = Agent("c", base, endpoint, "bench-node", RUN)
+            joined = Agent("c", base, endpoint, "bench-node", RUN, env=LAUNCHER)
             agents.append(joined)
             wait_for(
                 lambda: any(
@@ -131,7 +133,9 @@ def soak_goodput(base: Path, seconds: float, mtbf: float) -> dict[str, object]:
     ]
     started = time.monotonic()
     with rendezvous_store(base) as endpoint:
-        agents = [Agent(n, base, endpoint, "bench-soak", args, env={"ET_MAX_RESTARTS": "100"}) for n in ("a", "b")]
+        agents = [
+            Agent(n, base, endpoint, "bench-soak", args, env={**LAUNCHER, "ET_MAX_RESTARTS": "100"}) for n in ("a", "b")
+        ]
         chaos = subprocess.Popen(
             [
                 sys.executable,
@@ -176,7 +180,14 @@ def main() -> None:
     parser.add_argument("--soak", type=float, default=180.0, help="seconds of the goodput run")
     parser.add_argument("--mtbf", type=float, default=30.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--launcher",
+        choices=["torchrun", "warm"],
+        default="torchrun",
+        help="torchrun, or python -m elastic_train.launch (workers forked from a preloaded process)",
+    )
     args = parser.parse_args()
+    LAUNCHER["ET_LAUNCHER"] = args.launcher
     kill_runs: list[dict[str, float]] = []
     shrinks, grows = [], []
     for i in range(args.repeats):
@@ -199,6 +210,7 @@ def main() -> None:
         "kill_breakdown_s": breakdown,
         "node_loss_to_step_s": statistics.median(shrinks),
         "join_to_step_s": statistics.median(grows),
+        "launcher": args.launcher,
         "repeats": args.repeats,
         "soak_s": args.soak,
         "mtbf_s": args.mtbf,

@@ -16,6 +16,7 @@ code is 2 with a message saying what to install.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
 import sys
@@ -28,11 +29,19 @@ from typing import Any
 
 from elastic_train.errors import EXIT_OK, EXIT_USAGE
 
+EPOCH_KEYS = ("train_loss", "train_acc", "val_loss", "val_acc", "throughput", "world_size")
 CAUSE_COLORS = {"failure": "tab:red", "hang": "tab:purple", "preemption": "tab:orange"}
 
 
 def _time(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
+    return float(event["_t"])
+
+
+def _parse_time(stamp: Any) -> float | None:
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -73,7 +82,8 @@ class Run:
 
     @property
     def done(self) -> dict[str, Any] | None:
-        finished = self.named("done", rank=0)
+        """The last `done` event, if it has the goodput figures."""
+        finished = [e for e in self.named("done", rank=0) if {"goodput", "lost_s", "recomputed_steps"} <= e.keys()]
         return finished[-1] if finished else None
 
     def restart_causes(self) -> Counter[str]:
@@ -88,9 +98,14 @@ def load_run(log_dir: Path) -> Run:
         )
     by_epoch: dict[int, dict[str, Any]] = {}
     for record in _read_jsonl(metrics):
-        if "epoch" in record:
-            by_epoch[int(record["epoch"])] = record  # a re-run epoch (after a restart) replaces its first try
-    events = [e for path in sorted(log_dir.glob("rank-*.jsonl")) for e in _read_jsonl(path) if "timestamp" in e]
+        if isinstance(record.get("epoch"), int) and all(isinstance(record.get(k), (int, float)) for k in EPOCH_KEYS):
+            by_epoch[record["epoch"]] = record  # a re-run epoch (after a restart) replaces its first try
+    events = []
+    for path in sorted(log_dir.glob("rank-*.jsonl")):
+        for event in _read_jsonl(path):
+            at = _parse_time(event.get("timestamp"))
+            if at is not None:  # an event without a readable time cannot be placed: skipped
+                events.append({**event, "_t": at})
     events.sort(key=_time)
     run = Run(log_dir, [by_epoch[k] for k in sorted(by_epoch)], events)
     run.attempts = _attempts(run.named("start", rank=0), [e for e in events if e.get("rank") == 0])
@@ -98,12 +113,17 @@ def load_run(log_dir: Path) -> Run:
 
 
 def _attempts(starts: list[dict[str, Any]], rank0: list[dict[str, Any]]) -> list[Attempt]:
+    """One attempt per `start` event of rank 0, ending at rank 0's last event before the next."""
+    times = [_time(e) for e in rank0]  # sorted, as the events are
     out = []
     for i, start in enumerate(starts):
-        begin = float(start.get("process_started", _time(start)))
+        begin = start.get("process_started")
+        begin = float(begin) if isinstance(begin, (int, float)) else _time(start)
         until = _time(starts[i + 1]) if i + 1 < len(starts) else float("inf")
-        during = [_time(e) for e in rank0 if _time(start) <= _time(e) < until]
-        out.append(Attempt(begin, max(during, default=_time(start)), int(start.get("world_size", 0))))
+        last = bisect.bisect_left(times, until) - 1
+        end = times[last] if last >= 0 and times[last] >= _time(start) else _time(start)
+        size = start.get("world_size")
+        out.append(Attempt(begin, end, size if isinstance(size, int) else 0))
     return out
 
 

@@ -3,9 +3,10 @@
 
     python jobs/chaos.py --mtbf 30 --duration 600 [--match checkpoints/soak] [--seed 1]
 
-Workers are the processes torchrun starts for ``-m elastic_train`` (not the agents); ``--match``
-narrows them to those whose command line contains a string (e.g. their --log-dir), so a chaos run
-never touches other jobs on the machine. Each kill is printed as one JSON line. The script stops
+Workers are the processes torchrun starts for ``-m elastic_train`` (not the agents), or those the
+warm launcher (``python -m elastic_train.launch``) forks; ``--match`` narrows them to those whose
+launch command contains a string (e.g. their --log-dir), so a chaos run never touches other jobs
+on the machine. Each kill is printed as one JSON line. The script stops
 after ``--duration`` seconds, or once no worker has been seen for ``--idle-exit`` seconds (the job
 ended). Only this machine's processes are touched; run one per node for a multi-node soak.
 """
@@ -22,17 +23,41 @@ import time
 from pathlib import Path
 
 
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _is_forkserver(args: list[str]) -> bool:
+    return any("multiprocessing.forkserver" in a for a in args)
+
+
 def workers(match: str) -> list[int]:
+    """torchrun's workers (``python -u -m elastic_train``) and the warm launcher's (processes
+    forked by the forkserver of a ``python -m elastic_train.launch`` agent)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
-        try:
-            args = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
+        args = _cmdline(int(entry))
+        if "-m" in args and "elastic_train" in args and "-u" in args and not any("torchrun" in a for a in args):
+            launcher = args  # a torchrun worker: its own command line carries the --log-dir
+        elif _is_forkserver(args) and _is_forkserver(_cmdline(_parent(int(entry)))):
+            launcher = _cmdline(_parent(_parent(int(entry))))  # forked: the agent's command line
+            if "elastic_train.launch" not in launcher:
+                continue
+        else:
             continue
-        is_worker = "-m" in args and "elastic_train" in args and not any("torchrun" in a for a in args)
-        if is_worker and "-u" in args and (not match or any(match in a for a in args)):
+        if not match or any(match in a for a in launcher):
             found.append(int(entry))
     return sorted(found)
 

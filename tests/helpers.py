@@ -59,12 +59,13 @@ def kill_tagged(token: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+# A test's processes get no distributed, Slurm-job or job-script settings from the environment
+# pytest runs in (inside an allocation SLURM_RESTART_COUNT and friends would leak into the jobs).
+_NOT_INHERITED = ("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTIC_TRAIN", "SLURM_", "ET_")
+
+
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTIC_TRAIN"))
-    }
+    env = {k: v for k, v in os.environ.items() if k == "SLURM_CONF" or not k.startswith(_NOT_INHERITED)}
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), TOKEN_VAR: uuid.uuid4().hex})
     env.update(extra or {})
     return env

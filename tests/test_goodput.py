@@ -6,6 +6,9 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
+from elastic_train.resilience import goodput
 from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
 
 
@@ -40,3 +43,26 @@ def test_a_missing_or_garbled_progress_file_reads_as_none(tmp_path: Path) -> Non
     assert read_progress(tmp_path) is None
     (tmp_path / ".progress.json").write_text("{oops")
     assert read_progress(tmp_path) is None
+
+
+def test_progress_is_recorded_at_every_step_unless_writes_are_slow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracker = ProgressTracker(tmp_path, Accounting(job_start=time.time()), enabled=True)
+    for step in range(1, 6):
+        time.sleep(0.01)
+        tracker.on_step(step)
+        progress = read_progress(tmp_path)
+        assert progress is not None and progress["step"] == step  # exact: the next attempt knows
+    # A slow filesystem (each write far over 2 ms and 5% of a step): throttled after 3 writes.
+    real_replace = goodput.os.replace
+
+    def slow_replace(src: str, dst: str) -> None:
+        time.sleep(0.02)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(goodput.os, "replace", slow_replace)
+    for step in range(6, 12):
+        tracker.on_step(step)
+    progress = read_progress(tmp_path)
+    assert progress is not None and progress["step"] == 8  # 6, 7, 8 were slow; 9-11 inside 0.2 s

@@ -105,21 +105,35 @@ def test_unknown_runtime_is_refused_with_a_hint(tmp_path: Path) -> None:
     assert done.returncode == 2 and "needs ET_CONTAINER" in done.stderr
 
 
-def finish(tmp_path: Path, rc: int, restarts: str | None, preempted: bool, **knobs: str) -> tuple[int, str, str]:
-    """Run et_finish (jobs/lib/common.sh) after a launcher exit `rc`, with a fake `scontrol`."""
+def finish(
+    tmp_path: Path, rc: int, restarts: str | None, marker: str | None, signal: str = "", **knobs: str
+) -> tuple[int, str, str]:
+    """Run et_finish (jobs/lib/common.sh) after a launcher exit `rc`, with a fake `scontrol`.
+
+    marker: None (no .preempted.json), "ours" (written by this launch) or "other" (another launch's).
+    signal: the signal the script received during the run, if any.
+    """
     (tmp_path / "bin").mkdir(exist_ok=True)
     calls = tmp_path / "scontrol.calls"
     calls.unlink(missing_ok=True)
     fake = tmp_path / "bin" / "scontrol"
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = show ]; then echo "JobId=4242 JobState=${{FAKE_STATE:-RUNNING}}"; exit 0; fi\n'
+        f'echo "$*" >> {calls}\n'
+    )
     fake.chmod(0o755)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
     (ckpt / ".preempted.json").unlink(missing_ok=True)
-    marker = f'echo \'{{"step": 7, "committed": true}}\' > {ckpt}/.preempted.json' if preempted else "true"
+    write = {
+        None: "true",
+        "ours": f'echo "{{\\"step\\": 7, \\"launch_id\\": \\"$ELASTIC_TRAIN_LAUNCH_ID\\"}}" > {ckpt}/.preempted.json',
+        "other": f'echo \'{{"step": 7, "launch_id": "4242.0.1.2"}}\' > {ckpt}/.preempted.json',
+    }[marker]
     script = (
         f"set -euo pipefail; ET_PROJECT_DIR={ROOT}; ET_CHECKPOINT_DIR={ckpt}; source jobs/lib/common.sh\n"
-        f"et_stamp_launch; touch -d '-1 seconds' \"$ET_LAUNCH_STAMP\"; {marker}; et_finish {rc}\n"
+        f"et_new_launch; {write}; ET_SIGNAL_RECEIVED={signal}; et_finish {rc}\n"
     )
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", **knobs}
     if restarts is not None:
@@ -131,29 +145,34 @@ def finish(tmp_path: Path, rc: int, restarts: str | None, preempted: bool, **kno
 @pytest.mark.timeout(60)
 def test_requeue_policy_of_the_job_scripts(tmp_path: Path) -> None:
     # Success: nothing to requeue.
-    assert finish(tmp_path, 0, None, preempted=False)[::2] == (0, "")
-    # Preempted on the first run (SLURM_RESTART_COUNT unset reads as 0): requeue, exit 0.
-    rc, err, calls = finish(tmp_path, 1, None, preempted=True)
+    assert finish(tmp_path, 0, None, None)[::2] == (0, "")
+    # Preempted (USR1) on the first run (SLURM_RESTART_COUNT unset reads as 0): requeue, exit 0.
+    rc, err, calls = finish(tmp_path, 1, None, "ours", "USR1")
     assert (rc, calls) == (0, "requeue 4242\n") and "restart 1 of at most 1000" in err
     # A crash is requeued below the cap, and not at it: the job then fails with the launcher's code.
-    rc, err, calls = finish(tmp_path, 1, "4", preempted=False)
+    rc, err, calls = finish(tmp_path, 1, "4", None)
     assert (rc, calls) == (0, "requeue 4242\n") and "failed with exit code 1" in err
-    rc, err, calls = finish(tmp_path, 1, "5", preempted=False)
+    rc, err, calls = finish(tmp_path, 1, "5", None)
     assert (rc, calls) == (1, "") and "SLURM_RESTART_COUNT=5 has reached the cap of 5" in err
     # Preemption past its own cap ends with 75, "preempted, requeue me", for whoever looks.
-    rc, err, calls = finish(tmp_path, 1, "3", preempted=True, ET_MAX_PREEMPT_REQUEUES="3")
+    rc, err, calls = finish(tmp_path, 1, "3", "ours", "USR2", ET_MAX_PREEMPT_REQUEUES="3")
     assert (rc, calls) == (75, "") and "reached the cap of 3" in err
+    # A typo in a cap means no requeue, not "requeue forever".
+    rc, err, calls = finish(tmp_path, 1, "0", None, ET_MAX_REQUEUES="five")
+    assert (rc, calls) == (1, "") and "cap of 0" in err
 
 
 @pytest.mark.timeout(60)
-def test_a_marker_older_than_the_launch_is_not_a_preemption(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / ".preempted.json").write_text('{"step": 3}')
-    os.utime(ckpt / ".preempted.json", (time.time() - 60, time.time() - 60))
-    script = (
-        f"set -euo pipefail; ET_PROJECT_DIR={ROOT}; ET_CHECKPOINT_DIR={ckpt}; source jobs/lib/common.sh\n"
-        "et_stamp_launch; et_finish 1\n"
-    )
-    done = run(["bash", "-c", script], timeout=30, env={"ET_MAX_REQUEUES": "0", "SLURM_JOB_ID": "1"})
-    assert done.returncode == 1 and "failed with exit code 1" in done.stderr and "preempted" not in done.stderr
+def test_a_cancel_is_never_turned_into_a_requeue(tmp_path: Path) -> None:
+    # scancel sends SIGTERM: the trainer checkpoints (marker written), but the job stays cancelled.
+    rc, err, calls = finish(tmp_path, 1, None, "ours", "TERM")
+    assert (rc, calls) == (75, "") and "after SIGTERM" in err and "not requeued" in err
+    # Slurm already marked the job CANCELLED (e.g. a cancel that raced the save): no requeue either.
+    rc, err, calls = finish(tmp_path, 1, None, None, FAKE_STATE="CANCELLED")
+    assert (rc, calls) == (1, "") and "the job was cancelled" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_marker_of_another_launch_is_not_a_preemption(tmp_path: Path) -> None:
+    rc, err, calls = finish(tmp_path, 1, "5", "other", "USR1")
+    assert (rc, calls) == (1, "") and "failed with exit code 1" in err and "preempted" not in err

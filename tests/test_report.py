@@ -44,12 +44,15 @@ def write_run(log_dir: Path, torn_last_line: bool = False) -> None:
         for e in (1, 2, 3)
     ]  # fmt: skip
     epochs.insert(2, {**epochs[1], "val_acc": 0.0})  # epoch 2 logged twice: the later record wins
+    epochs += [{"epoch": None}, {"epoch": 9, "val_acc": None}]  # unusable records are skipped
     (log_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in epochs))
     events = [
         {"event": "start", "rank": 0, "world_size": 2, "timestamp": "2026-11-30T10:00:05Z", "process_started": 1.0e9},
         {"event": "checkpoint_committed", "rank": 0, "timestamp": "2026-11-30T10:00:10Z"},
         {"event": "start", "rank": 0, "world_size": 1, "timestamp": "2026-11-30T10:00:30Z"},
         {"event": "recovery", "rank": 0, "cause": "hang", "timestamp": "2026-11-30T10:00:30Z"},
+        {"event": "odd", "rank": 0, "timestamp": None},
+        {"event": "done", "rank": 0, "timestamp": "2026-11-30T10:00:59Z"},
         {"event": "done", "rank": 0, "goodput": 0.71, "lost_s": 9.5, "recomputed_steps": 2,
          "timestamp": "2026-11-30T10:01:00Z"},
     ]  # fmt: skip

@@ -22,13 +22,13 @@ import pytest
 from tests.helpers import ROOT, TOKEN_VAR, base_env, free_port, kill_tagged, run
 from tests.test_checkpoint_resume import assert_bitwise_equal, final_state
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
 RUN = [
     "--batch-size",
     "32",
     "--max-steps-per-epoch",
-    "25",
+    "60",
     "--epochs",
     "2",
     "--target-accuracy",
@@ -156,9 +156,9 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, tmp_pat
     uninterrupted(tmp_path / "reference")
     base = tmp_path / "slurm"
     job = cluster.submit("jobs/train.sbatch", RUN, dirs(base))
-    wait_for_checkpoint(job, base / "logs")
+    wait_for_checkpoint(job, base / "logs", timeout=150)
     subprocess.run(["scancel", "-s", "USR1", "-b", job.id], check=True, timeout=30)
-    info = job.wait(300)
+    info = job.wait(200)
     text = job.text()
     assert info["JobState"] == "COMPLETED", text
     assert info["Restarts"] == "1", info  # SLURM_RESTART_COUNT=1 in the second run
@@ -175,7 +175,7 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, tmp_pat
 def test_a_crash_is_requeued_at_most_the_cap_then_fails_with_its_cause(cluster: Cluster, tmp_path: Path) -> None:
     env = {**dirs(tmp_path), "ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=3:always", "ET_MAX_REQUEUES": "2"}
     job = cluster.submit("jobs/train.sbatch", ["--max-steps-per-epoch", "5", "--epochs", "2"], env)
-    info = job.wait(300)
+    info = job.wait(240)
     text = job.text()
     assert info["JobState"] == "FAILED" and info["Restarts"] == "2", info
     assert text.count("requeueing job") == 2, text
@@ -188,12 +188,24 @@ def test_multinode_sbatch_preempts_requeues_and_resumes(cluster: Cluster, tmp_pa
     # many (two agents losing and regaining a node are in tests/test_elastic.py).
     env = {**dirs(tmp_path), "ET_RDZV_PORT": str(free_port()), "ET_NPROC": "2"}
     job = cluster.submit("jobs/multinode.sbatch", RUN, env, "--nodes=1")
-    wait_for_checkpoint(job, tmp_path / "logs")
+    wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
     subprocess.run(["scancel", "-s", "USR1", "-b", job.id], check=True, timeout=30)
-    info = job.wait(300)
+    info = job.wait(200)
     text = job.text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
     first, _, second = text.partition("(restart 1)")
-    assert "requeueing job" in first and "rendezvous" in first, first
+    assert "forwarding SIGUSR1" in first and 'preempted ({"step": ' in first and '"committed": true' in first, first
+    assert "requeueing job" in first, first
     assert "Resumed from" in second and "Steps recomputed: 0" in second, second
     assert "Training completed successfully." in second
+
+
+def test_a_cancelled_job_saves_but_is_not_requeued(cluster: Cluster, tmp_path: Path) -> None:
+    job = cluster.submit("jobs/train.sbatch", RUN, dirs(tmp_path))
+    wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
+    subprocess.run(["scancel", job.id], check=True, timeout=30)  # SIGTERM to the job, then SIGKILL
+    info = job.wait(120)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    time.sleep(15)  # longer than a requeue would take to show (cred_expire=10)
+    info = job.info()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", f"{info}\n{job.text()}"

@@ -10,8 +10,9 @@
 
 Rank 0 keeps ``<checkpoint-dir>/.progress.json`` (job start, the highest step reached and when),
 rewritten after every step, so the next attempt knows exactly how far the failed one got. The
-write is a ~100-byte atomic replace; where it is slow (three in a row over ``SLOW_WRITE_S``,
-as on a loaded shared filesystem) it is throttled to one every ``THROTTLED_EVERY_S``, and the step count of a
+write is a ~100-byte atomic replace; where it is slow against the steps (three writes in a row
+over both ``SLOW_WRITE_S`` and ``SLOW_WRITE_SHARE`` of the step time, as on a loaded shared
+filesystem) it is throttled to one every ``THROTTLED_EVERY_S``, and the step count of a
 recovery may then be short by the steps of that interval. The
 accounting itself travels in every checkpoint. Limits: an attempt that dies before its first
 checkpoint starts the job afresh, and its time is not counted as lost.
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS = ".progress.json"
-SLOW_WRITE_S = 0.002  # a write slower than this would cost over 1% of a 0.2 s step
+SLOW_WRITE_S = 0.002
+SLOW_WRITE_SHARE = 0.05  # of the time between steps
 THROTTLED_EVERY_S = 0.2
 
 
@@ -84,6 +86,7 @@ class ProgressTracker:
         self._last_write = 0.0
         self._write_every = 0.0  # every step until writes prove slow
         self._slow_writes = 0  # consecutive; one hiccup of a busy disk is not a slow filesystem
+        self._last_step = time.time()
         self._recovering_until: int | None = None  # step the failed attempt had reached
         self._progress_time = 0.0
 
@@ -97,6 +100,7 @@ class ProgressTracker:
 
     def on_step(self, step: int) -> None:
         now = time.time()
+        step_s, self._last_step = now - self._last_step, now
         if self._recovering_until is not None and step >= self._recovering_until:
             self.accounting.lost_s += max(0.0, now - self._progress_time)
             self._recovering_until = None
@@ -104,11 +108,14 @@ class ProgressTracker:
             self._last_write = now
             record = {"job_start": self.accounting.job_start, "step": step, "time": now}
             tmp = self.path.with_name(f"{PROGRESS}.tmp-{os.getpid()}")
+            began = time.perf_counter()
             try:
                 tmp.write_text(json.dumps(record))
                 os.replace(tmp, self.path)
             except OSError:
                 pass  # bookkeeping only: never fail training over it
-            self._slow_writes = self._slow_writes + 1 if time.time() - now > SLOW_WRITE_S else 0
+            took = time.perf_counter() - began
+            slow = took > SLOW_WRITE_S and took > SLOW_WRITE_SHARE * step_s
+            self._slow_writes = self._slow_writes + 1 if slow else 0
             if self._slow_writes >= 3:
                 self._write_every = THROTTLED_EVERY_S

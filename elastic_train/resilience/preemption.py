@@ -27,6 +27,7 @@ from typing import Any
 EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 MARKER = ".preempted.json"
+LAUNCH_ID_VAR = "ELASTIC_TRAIN_LAUNCH_ID"
 
 
 class Preempted(Exception):
@@ -74,6 +75,8 @@ def write_marker(checkpoint_dir: Path, step: int, signal_name: str, committed: b
         "committed": committed,
         "time": time.time(),
         "exit_code": EXIT_PREEMPTED,
+        # Set by the job scripts for each launch: they requeue only on a marker of their own launch.
+        "launch_id": os.environ.get(LAUNCH_ID_VAR),
     }
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)

@@ -35,6 +35,16 @@ et_setup_runtime() {
   esac
 }
 
+# Fill ET_LAUNCH with the launcher: torchrun, or the same agent with warm (forked) worker starts.
+# shellcheck disable=SC2034  # ET_LAUNCH is read by the scripts that source this file
+et_setup_launcher() {
+  case "${ET_LAUNCHER:-torchrun}" in
+    torchrun) ET_LAUNCH=(torchrun) ;;
+    warm) ET_LAUNCH=(python -m elastic_train.launch) ;;
+    *) et_die "ET_LAUNCHER=${ET_LAUNCHER} is not torchrun or warm" ;;
+  esac
+}
+
 et_gpus_on_node() {
   local n=${SLURM_GPUS_ON_NODE:-0}
   case $n in ''|*[!0-9]*) n=0 ;; esac
@@ -64,17 +74,53 @@ et_stop_gpu_monitor() {
   ET_MONITOR_PID=""
 }
 
-# Run a command in the background and forward TERM, INT, HUP, QUIT, USR1 and USR2 to it, so a
-# signal sent to this script (scancel, a preemption warning) reaches torchrun, which forwards it
-# to the workers. Returns the command's exit status (the first wait returns early on a signal).
+# Signals. Slurm signals the batch shell (scancel, `--signal=B:USR1@120`, `scancel -s USR1 -b`);
+# the script forwards each signal to the launcher, which forwards it to the workers. The first
+# signal received also decides what happens after the launcher returns (et_finish): USR1/USR2
+# ask for a checkpoint AND a requeue; TERM/INT/HUP/QUIT (a cancel, Slurm's own preemption, which
+# requeues by itself) ask for a checkpoint only.
+ET_SIGNALS=(TERM INT HUP QUIT USR1 USR2)
+ET_SIGNAL_RECEIVED=""  # the first signal this script received
+ET_SIGNAL_PENDING=""   # received before the launcher started: passed on once it runs
+
+et_note_signal() {
+  [ -n "$ET_SIGNAL_RECEIVED" ] || ET_SIGNAL_RECEIVED=$1
+}
+
+# Call this first: a signal that arrives during setup (module loads, the GPU check, the store)
+# is remembered instead of killing the script, and passed to the launcher once it runs.
+et_catch_signals() {
+  local sig
+  for sig in "${ET_SIGNALS[@]}"; do
+    # shellcheck disable=SC2064  # expand $sig now
+    trap "et_note_signal $sig; ET_SIGNAL_PENDING=$sig; et_log 'SIG$sig received during setup: passed on at launch'" "$sig"
+  done
+}
+
+# Forward signal $1 to the launcher. ET_TERM_AS=USR2 replaces TERM/INT/HUP/QUIT on the way:
+# srun answers SIGTERM by SIGKILLing its tasks, which would leave no time to checkpoint.
+et_forward() {
+  local sig=$1 as=$1
+  et_note_signal "$sig"
+  case $sig in TERM | INT | HUP | QUIT) as=${ET_TERM_AS:-$sig} ;; esac
+  et_log "forwarding SIG$as to pid $ET_CHILD_PID${ET_TERM_AS:+ (received SIG$sig)}"
+  kill -s "$as" "$ET_CHILD_PID" 2>/dev/null || true
+}
+
+# Run a command in the background, forwarding this script's signals to it (et_forward).
+# Returns the command's exit status (a trapped signal interrupts `wait`, which is resumed).
 et_run_forwarding() {
   "$@" &
   ET_CHILD_PID=$!
   local sig
-  for sig in TERM INT HUP QUIT USR1 USR2; do
+  for sig in "${ET_SIGNALS[@]}"; do
     # shellcheck disable=SC2064  # expand $sig now
-    trap "et_log 'forwarding SIG$sig to pid $ET_CHILD_PID'; kill -s $sig $ET_CHILD_PID 2>/dev/null || true" "$sig"
+    trap "et_forward $sig" "$sig"
   done
+  if [ -n "$ET_SIGNAL_PENDING" ]; then
+    et_forward "$ET_SIGNAL_PENDING"
+    ET_SIGNAL_PENDING=""
+  fi
   local rc late
   while :; do
     rc=0
@@ -90,52 +136,68 @@ et_run_forwarding() {
   return "$rc"
 }
 
-# Requeue: a job whose trainer was preempted (it committed a checkpoint and wrote
+# Requeue: a job whose trainer was preempted by USR1/USR2 (it committed a checkpoint and wrote
 # $ET_CHECKPOINT_DIR/.preempted.json) or that crashed puts itself back in the queue with
 # `scontrol requeue`: same job id, SLURM_RESTART_COUNT + 1, output appended, and the trainer
 # resumes from checkpoints/latest by itself. torchrun exits 1 whatever its workers returned, so
-# the marker, not the exit code, tells a preemption from a crash; it counts only when it is newer
-# than the stamp taken before the launch (a marker of an earlier run says nothing about this one).
+# the marker, not the exit code, tells a preemption from a crash. It counts only if it carries
+# this launch's id (ELASTIC_TRAIN_LAUNCH_ID, copied into it by the trainer): a marker of an
+# earlier run, or of another job sharing the directory, says nothing about this one.
 #   ET_MAX_REQUEUES          crash requeues allowed (default 5): a run that keeps crashing ends FAILED
 #   ET_MAX_PREEMPT_REQUEUES  preemption requeues allowed (default 1000: a long run chained by time
 #                            limits requeues once per limit)
 # Both compare with SLURM_RESTART_COUNT, which counts every requeue and is unset on the first run.
+# A job stopped by TERM/INT/HUP/QUIT (scancel, Slurm's own preemption) is never requeued here.
 
-et_stamp_launch() {
-  ET_LAUNCH_STAMP=$(mktemp "${TMPDIR:-/tmp}/elastic-train-launch.XXXXXX")
+et_new_launch() {
+  ELASTIC_TRAIN_LAUNCH_ID="${SLURM_JOB_ID:-local}.${SLURM_RESTART_COUNT:-0}.$$.$(date +%s%N)"
+  export ELASTIC_TRAIN_LAUNCH_ID
 }
 
 et_was_preempted() {
-  [ -n "${ET_LAUNCH_STAMP:-}" ] && [ -e "$ET_LAUNCH_STAMP" ] && [ "$ET_CHECKPOINT_DIR/.preempted.json" -nt "$ET_LAUNCH_STAMP" ]
+  local marker=$ET_CHECKPOINT_DIR/.preempted.json
+  [ -n "${ELASTIC_TRAIN_LAUNCH_ID:-}" ] && [ -f "$marker" ] &&
+    grep -qF "\"launch_id\": \"$ELASTIC_TRAIN_LAUNCH_ID\"" "$marker"
+}
+
+et_count() {  # $1 if it is a whole number, else 0 (a typo in a cap must not mean "requeue forever")
+  case $1 in '' | *[!0-9]*) echo 0 ;; *) echo "$1" ;; esac
 }
 
 # Decide what the job does after the launcher returned with status $1: exit, or requeue itself.
 et_finish() {
-  local rc=$1 restarts=${SLURM_RESTART_COUNT:-0} cap reason preempted=0
-  trap - TERM INT HUP QUIT USR1 USR2  # the requeue's own SIGTERM must not be forwarded anywhere
-  et_was_preempted && preempted=1
-  rm -f "${ET_LAUNCH_STAMP:-}"
-  if [ "$preempted" = 1 ]; then
-    reason="preempted ($(cat "$ET_CHECKPOINT_DIR/.preempted.json"))"
-    cap=${ET_MAX_PREEMPT_REQUEUES:-1000}
+  local rc=$1 restarts cap reason
+  trap '' "${ET_SIGNALS[@]}"  # nothing left to forward; the requeue's own SIGTERM must not cut this short
+  restarts=$(et_count "${SLURM_RESTART_COUNT:-0}")
+  if et_was_preempted; then
+    reason="preempted ($(cat "$ET_CHECKPOINT_DIR/.preempted.json" 2>/dev/null || true))"
+    cap=$(et_count "${ET_MAX_PREEMPT_REQUEUES:-1000}")
     rc=75  # the trainer's "preempted, requeue me" code, whatever torchrun returned
   elif [ "$rc" = 0 ]; then
     et_log "training finished (exit 0)"
     exit 0
   else
     reason="failed with exit code $rc"
-    cap=${ET_MAX_REQUEUES:-5}
+    cap=$(et_count "${ET_MAX_REQUEUES:-5}")
   fi
+  case $ET_SIGNAL_RECEIVED in
+    TERM | INT | HUP | QUIT)
+      et_log "$reason after SIG$ET_SIGNAL_RECEIVED (a cancel, or Slurm's own preemption): not requeued"
+      exit "$rc"
+      ;;
+  esac
   if [ -z "${SLURM_JOB_ID:-}" ]; then
     et_log "$reason; not under Slurm, so not requeued"
   elif [ "$restarts" -ge "$cap" ]; then
     et_log "$reason; not requeued: SLURM_RESTART_COUNT=$restarts has reached the cap of $cap"
+  elif scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -q 'JobState=CANCELLED'; then
+    et_log "$reason; the job was cancelled: not requeued"
   else
     et_log "$reason; requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) of at most $cap)"
     if scontrol requeue "$SLURM_JOB_ID"; then
       exit 0  # Slurm ends this run and starts the job again, output appended
     fi
-    et_log "scontrol requeue $SLURM_JOB_ID failed (a cancelled job cannot be requeued)"
+    et_log "scontrol requeue $SLURM_JOB_ID failed"
   fi
   exit "$rc"
 }

@@ -1,0 +1,100 @@
+"""``python -m elastic_train.launch``: torchrun with warm worker starts.
+
+    python -m elastic_train.launch [torchrun flags] -m elastic_train [trainer flags]
+
+The same agent, the same c10d rendezvous, the same flags and the same restart semantics as
+``torchrun`` (this module parses its arguments with torchrun's own parser and hands them to
+torch's ``elastic_launch``). One thing differs: torchrun starts every worker, and every restarted
+worker, as a fresh Python interpreter that imports torch, torchvision and the trainer again. Here
+the workers are forked from multiprocessing's *forkserver*, a helper process the agent starts
+once and that has those modules imported already (a preload). A restart then skips the
+interpreter start-up and the imports: on the 2-core test machine about 3.5 s of the ~7.5 s a
+worker restart costs (see docs/benchmarks.md).
+
+What stays the same for the worker: the environment torchrun sets (RANK, WORLD_SIZE,
+MASTER_ADDR, ...), signals (the agent forwards SIGTERM/SIGUSR1/SIGUSR2 to the worker's pid), exit
+codes (75 preempted, 124 hung, 2 bad input), ``@record`` error files and the failure summary.
+The forkserver imports torch but never touches CUDA, so forked workers can use it.
+
+Only the trainer can be launched this way (``-m elastic_train``): that is what is preloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+
+# Imported by the forkserver once; a forked worker finds them in memory.
+PRELOAD = ["torch", "torchvision", "elastic_train.run", "elastic_train.models", "elastic_train.data"]
+
+
+def worker(*argv: str) -> None:
+    """A worker's entry point (in a process forked from the preloaded forkserver)."""
+    from elastic_train.cli import main
+
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # torchrun runs python -u
+    code = main(list(argv))
+    if code:
+        sys.exit(code)  # torch's wrapper re-raises a non-zero SystemExit: the process exits with it
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_launch)(argv) or 0
+
+
+def _launch(argv: Sequence[str] | None) -> int:
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))  # type: ignore[no-untyped-call]
+    if not (args.module and args.training_script == "elastic_train") or args.no_python:
+        print(
+            "elastic_train.launch: error: it launches the trainer only: "
+            "python -m elastic_train.launch [torchrun flags] -m elastic_train [trainer flags] "
+            "(use torchrun for anything else)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.standalone:  # as torchrun does: a private c10d rendezvous on a free local port
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    # The agent logs a worker's failure with its traceback, and torch's log formatter imports
+    # torch._dynamo (and sympy) to format it: ~2 s of CPU on the first failure, on the recovery's
+    # critical path. Import it now, in the background, while the first workers start.
+    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    try:
+        elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
+    finally:
+        _stop_helpers()
+    return 0
+
+
+def _stop_helpers() -> None:
+    """Wait for the forkserver and the resource tracker to exit with us, not seconds later.
+
+    They would exit by themselves when this process closes its end of their pipes, but tearing
+    down an interpreter that imported torch takes a while: a job step (or a test) that ends
+    while they still run would see stray processes.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):  # type: ignore[attr-defined]
+        stop = getattr(helper, "_stop", None)  # CPython's own clean-up hook (3.8+)
+        if stop is not None:
+            with contextlib.suppress(Exception):  # best effort: they exit by themselves anyway
+                stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
