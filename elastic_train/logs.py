@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -83,6 +84,14 @@ def configure_logging(env: DistEnv) -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def parse_timestamp(stamp: Any) -> float | None:
+    """Seconds since the epoch of an event's ``timestamp`` (ISO 8601, UTC, as logged); None if unreadable."""
+    try:
+        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def attach_rank_log(log_dir: Path, env: DistEnv) -> Path:

@@ -23,11 +23,11 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from elastic_train.errors import EXIT_OK, EXIT_USAGE
+from elastic_train.logs import parse_timestamp
 
 EPOCH_KEYS = ("train_loss", "train_acc", "val_loss", "val_acc", "throughput", "world_size")
 CAUSE_COLORS = {"failure": "tab:red", "hang": "tab:purple", "preemption": "tab:orange"}
@@ -35,13 +35,6 @@ CAUSE_COLORS = {"failure": "tab:red", "hang": "tab:purple", "preemption": "tab:o
 
 def _time(event: dict[str, Any]) -> float:
     return float(event["_t"])
-
-
-def _parse_time(stamp: Any) -> float | None:
-    try:
-        return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -103,7 +96,7 @@ def load_run(log_dir: Path) -> Run:
     events = []
     for path in sorted(log_dir.glob("rank-*.jsonl")):
         for event in _read_jsonl(path):
-            at = _parse_time(event.get("timestamp"))
+            at = parse_timestamp(event.get("timestamp"))
             if at is not None:  # an event without a readable time cannot be placed: skipped
                 events.append({**event, "_t": at})
     events.sort(key=_time)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import datetime
 
 import structlog
 import torch
@@ -23,7 +22,7 @@ from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.process_group import ControlPlane, Placement, choose_placement, process_group
 from elastic_train.errors import EXIT_OK
 from elastic_train.faults import FaultInjector
-from elastic_train.logs import Console, attach_rank_log
+from elastic_train.logs import Console, attach_rank_log, parse_timestamp
 from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
 from elastic_train.resilience.preemption import (
     EXIT_PREEMPTED,
@@ -204,10 +203,10 @@ def _previous_exit_cause(cfg: TrainConfig, since: float) -> str:
 
 def _after(line: str, since: float) -> bool:
     try:
-        stamp = json.loads(line)["timestamp"]
+        at = parse_timestamp(json.loads(line)["timestamp"])
     except (ValueError, KeyError):
         return False
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() >= since - 1
+    return at is not None and at >= since - 1
 
 
 def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None) -> ProgressTracker:

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from elastic_train.logs import parse_timestamp
 from tests.helpers import (
     ROOT,
     TOKEN_VAR,
@@ -136,9 +137,9 @@ def all_events(base: Path, name: str) -> list[dict[str, Any]]:
 
 
 def event_time(event: dict[str, Any]) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+    at = parse_timestamp(event["timestamp"])
+    assert at is not None, f"unreadable timestamp in {event}"
+    return at
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:

@@ -27,6 +27,11 @@ BIN = Path(sys.executable).parent
 QUICK = ["--batch-size", "32", "--max-steps-per-epoch", "3", "--epochs", "2", "--target-accuracy", "1.0"]
 
 
+def flags(**values: object) -> list[str]:
+    """Trainer flags from keywords: flags(batch_size=32) == ["--batch-size", "32"]."""
+    return [item for name, value in values.items() for item in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, Finished, base_env, kill_group, kill_tagged, read_jsonl, run, torchrun
+from tests.helpers import ROOT, Finished, base_env, flags, kill_group, kill_tagged, read_jsonl, run, torchrun
 from tests.test_checkpoint_resume import RUN, assert_bitwise_equal, dirs, epoch_metrics, final_state
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(300)]
@@ -47,7 +47,10 @@ def test_a_killed_worker_is_forked_again_warm_and_ends_bitwise_equal(tmp_path: P
 
 
 def test_sigterm_to_the_warm_launcher_checkpoints_and_exits_with_the_requeue_code(tmp_path: Path) -> None:
-    args = [*RUN[:2], "--max-steps-per-epoch", "200", "--epochs", "2", *RUN[6:], *dirs(tmp_path)]
+    long_run = flags(
+        batch_size=32, max_steps_per_epoch=200, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=2
+    )
+    args = [*long_run, *dirs(tmp_path)]
     env = base_env(AGENT_ENV)
     cmd = [sys.executable, "-m", "elastic_train.launch", *STANDALONE_2, "-m", "elastic_train", *args]
     proc = subprocess.Popen(

@@ -19,25 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, TOKEN_VAR, base_env, free_port, kill_tagged, run
+from tests.helpers import ROOT, TOKEN_VAR, base_env, flags, free_port, kill_tagged, run
 from tests.test_checkpoint_resume import assert_bitwise_equal, final_state
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
-RUN = [
-    "--batch-size",
-    "32",
-    "--max-steps-per-epoch",
-    "60",
-    "--epochs",
-    "2",
-    "--target-accuracy",
-    "1.0",
-    "--patience",
-    "0",
-    "--checkpoint-every",
-    "5",
-]
+RUN = flags(batch_size=32, max_steps_per_epoch=60, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=5)
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
