@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: $(STAMP)
 ## is rewritten from the results in benchmarks/results/. BENCH_ARGS=--quick checks the pipeline.
 bench: $(STAMP)
 	$(PY) benchmarks/suite.py $(BENCH_ARGS)
+
+## On a machine with one NVIDIA GPU (< 5 minutes): NCCL, bf16/fp16 AMP, async checkpoint of CUDA
+## tensors, deterministic kill+resume, throughput vs the bare DDP loop; prints a pass/fail table.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf logs .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -26,17 +26,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     bundle = synthetic()
     torch.manual_seed(42)
-    model = DistributedDataParallel(build_model("vit", bundle.num_classes, bundle.image_size))
+    module = build_model("vit", bundle.num_classes, bundle.image_size).to(device)
+    model = DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     data = TensorDataset(bundle.train.images, bundle.train.labels)
     sampler = DistributedSampler(data, shuffle=True, seed=42, drop_last=True)
-    loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True)
+    loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True, pin_memory=cuda)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         model.train()
@@ -45,13 +51,16 @@ def main() -> None:
         for step, (x, y) in enumerate(loader):
             if step == args.steps:
                 break
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             x = (x.float() / 255 - 0.5) / 0.5
             loss = torch.nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             images += x.shape[0] * world
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(json.dumps({"epoch": epoch + 1, "throughput": images / elapsed.item()}), flush=True)

@@ -1,6 +1,7 @@
 """Checkpoint tool: ``python -m elastic_train.ckpt list|verify|inspect|export DIR``.
 
-* ``list CHECKPOINT_DIR``: every ``step-*`` folder, its state, and where ``latest`` points.
+* ``list CHECKPOINT_DIR``: every step folder (versions ``step-N-vK`` included), its state, where
+  ``latest`` points, and the folders set aside (``.corrupt-*``, ``.abandoned-*``: never deleted).
 * ``verify DIR``: a step folder, or a checkpoint directory (then every committed checkpoint and
   ``latest``); checks sizes and sha256 of every file. Exit 1 if anything is invalid.
 * ``inspect DIR``: step, epoch, world size, versions, tensors and bytes per file.
@@ -21,6 +22,8 @@ from pathlib import Path
 from elastic_train.checkpoint.format import (
     MANIFEST,
     CheckpointInvalid,
+    aside_folders,
+    aside_reason,
     latest_target,
     read_manifest,
     step_folders,
@@ -35,10 +38,17 @@ def _step_folder(path: Path) -> Path:
     return target if target is not None else path
 
 
+ASIDE_MEANING = {
+    "corrupt": "failed verification; a run fell back to an older checkpoint",
+    "abandoned": "a future discarded when a run resumed from an older checkpoint",
+}
+
+
 def cmd_list(root: Path) -> int:
     folders = step_folders(root)
     latest = latest_target(root)
-    if not folders:
+    aside = aside_folders(root)
+    if not folders and not aside:
         print(f"no checkpoints in {root}")
         return 0
     for folder in folders:
@@ -54,6 +64,10 @@ def cmd_list(root: Path) -> int:
             except CheckpointInvalid as exc:
                 state = f"INVALID: {exc}"
         print(f"{folder.name}  {state}{mark}")
+    for folder in aside:
+        reason = aside_reason(folder) or "?"
+        meaning = ASIDE_MEANING.get(reason, "")
+        print(f"{folder.name}  set aside ({reason}: {meaning}); ignored by resume and retention, delete by hand")
     if latest is not None and not latest.exists():
         print(f"latest -> {latest.name}: DANGLING")
     return 0
@@ -90,6 +104,7 @@ def cmd_inspect(path: Path) -> int:
     print(f"world size   {m.world_size}")
     print(f"finished     {m.finished}")
     print(f"run id       {m.run_id}")
+    print(f"timeline     {m.timeline or '(format 1: none)'}" + (f", resumed from {m.parent}" if m.parent else ""))
     print(f"versions     {', '.join(f'{k} {v}' for k, v in sorted(m.versions.items()))}")
     print(f"fingerprint  {', '.join(f'{k}={v}' for k, v in sorted(m.fingerprint.items()))}")
     groups: dict[str, int] = {}

@@ -20,7 +20,8 @@ and only a valid run imports the runtime (``elastic_train.run``).
 from __future__ import annotations
 
 import argparse
-import sys
+import signal
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -28,9 +29,9 @@ from typing import NoReturn
 import structlog
 
 from elastic_train import __version__
-from elastic_train.config import DATASETS, DEVICES, MODELS, OPTIMIZERS, TrainConfig
+from elastic_train.config import AMP_DTYPES, DATASETS, DEVICES, MODELS, OPTIMIZERS, TrainConfig
 from elastic_train.distributed.env import DistEnv
-from elastic_train.errors import EXIT_OK, EXIT_USAGE, UsageError
+from elastic_train.errors import EXIT_OK, EXIT_USAGE, UsageError, report_usage_error
 from elastic_train.logs import configure_logging, detach_rank_log
 
 log = structlog.get_logger(__name__)
@@ -70,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     seed.add_argument("--seed", type=int, default=d.seed)
     seed.add_argument("--num-workers", type=int, default=d.num_workers, help="DataLoader workers per process")
     seed.add_argument("--amp", action="store_true", help="mixed precision (bf16, or fp16 + loss scaling)")
+    ours_amp = p.add_argument_group("precision and reproducibility")
+    ours_amp.add_argument(
+        "--amp-dtype",
+        choices=AMP_DTYPES,
+        default=d.amp_dtype,
+        help="with --amp: auto (bf16 where the GPU supports it, else fp16 with loss scaling), bf16 or fp16",
+    )
+    ours_amp.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic kernels only (cuBLAS workspace, no cuDNN autotuning): bitwise-reproducible GPU runs",
+    )
     ours = p.add_argument_group("runtime")
     ours.add_argument("--data-dir", type=Path, default=None)
     ours.add_argument("--device", choices=DEVICES, default=d.device)
@@ -86,7 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--hang-timeout",
         type=float,
         default=d.hang_timeout,
-        help="seconds without progress before a rank exits (code 124) so torchrun restarts it; 0: off",
+        help="seconds without a finished step or evaluation batch before a rank exits (code 124) so torchrun "
+        "restarts it; bounds what a frozen or cut-off peer costs. Raise it if a first step (CUDA/NCCL start, "
+        "compilation) can take longer; 0: off",
+    )
+    ours.add_argument(
+        "--stop-grace",
+        type=float,
+        default=d.stop_grace,
+        help="seconds a rank that got SIGTERM/SIGUSR1/SIGUSR2 waits for an agreed step boundary (to checkpoint) "
+        "before it exits with code 77 anyway, e.g. when blocked in a collective on a dead peer; 0: no limit",
     )
     ours.add_argument(
         "--threads",
@@ -130,22 +152,54 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     return TrainConfig(**args)
 
 
+def check_inputs(cfg: TrainConfig) -> None:
+    """What can be checked on disk before any process group or import of torch: every rank
+    checks the same paths (shared storage), so every rank fails alike, within a second."""
+    if cfg.data_dir is not None and not cfg.data_dir.is_dir():
+        what = "does not exist" if not cfg.data_dir.exists() else "is not a folder"
+        raise UsageError(
+            f"--data-dir {cfg.data_dir} {what}",
+            "pass the folder holding the dataset (for tiny-imagenet: the extracted tree or the .zip's folder)",
+        )
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
+        raise UsageError(
+            f"--resume {cfg.resume} does not exist",
+            "pass a checkpoint folder (e.g. checkpoints/step-00000100 or checkpoints/latest), auto or never",
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     env: DistEnv | None = None
+    code = EXIT_USAGE
     try:
         env = DistEnv.from_environ()
         configure_logging(env)
         cfg = parse_config(argv)
         cfg.check_world_size(env.world_size)
+        check_inputs(cfg)
         from elastic_train.run import train  # the torch-heavy part
 
-        return train(cfg, env) or EXIT_OK
+        code = train(cfg, env) or EXIT_OK
+        return code
     except UsageError as exc:
-        if env is None or env.is_main:
-            print(f"elastic-train: error: {exc}", file=sys.stderr, flush=True)
+        report_usage_error(exc, env)
         return EXIT_USAGE
     except Exception:
+        code = 1
         log.exception("crashed")
         raise
     finally:
         detach_rank_log()
+        if code == EXIT_USAGE and env is not None and env.launched:
+            _settle_before_usage_exit()
+
+
+# Seconds a rank that found bad input waits before exiting under a launcher. Every rank finds
+# the same problem at about the same time; the first to exit makes torchrun SIGTERM the others,
+# which would then end with -15 and a "Signal 15" entry instead of the usage code 2.
+USAGE_EXIT_SETTLE_S = 1.0
+
+
+def _settle_before_usage_exit() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent's SIGKILL still ends a rank stuck here
+    time.sleep(USAGE_EXIT_SETTLE_S)

@@ -3,10 +3,14 @@
 Validation happens here, before any process group, file or checkpoint is touched, and raises
 ``UsageError`` with the fix in the message. Checks that depend on the world size live in
 ``check_world_size`` because the same config must stay valid when an elastic job changes size.
+
+A resumed run must match its checkpoint in the settings of ``FINGERPRINT`` plus the dataset's
+identity (``fingerprint``); every other setting may change between attempts (``changes_since``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,13 @@ MODELS = ("vit", "resnet18")
 DATASETS = ("synthetic", "digits", "tiny-imagenet", "imagefolder")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
+AMP_DTYPES = ("auto", "bf16", "fp16")
 DATASETS_NEEDING_DIR = ("tiny-imagenet", "imagefolder")
+# Settings that define the model's shape and the order of the data (the global batch sequence):
+# a checkpoint only continues a run that shares them.
+FINGERPRINT = ("model", "dataset", "image_size", "batch_size", "optimizer", "seed", "max_steps_per_epoch")
+# Prefix of the dataset's identity in the fingerprint (``DataBundle.identity``).
+DATA_KEY = "data."
 
 
 @dataclass(frozen=True)
@@ -25,7 +35,7 @@ class TrainConfig:
     # The seed's flags, same names and meaning.
     model: str = "vit"
     dataset: str = "synthetic"
-    batch_size: int = 128  # GLOBAL batch; each of W processes takes batch_size // W
+    batch_size: int = 128  # GLOBAL batch, split over W processes (data.sampler.per_process_batch)
     epochs: int = 10
     optimizer: str = "adamw"
     base_lr: float = 1e-3
@@ -34,6 +44,8 @@ class TrainConfig:
     seed: int = 42
     num_workers: int = 0
     amp: bool = False
+    amp_dtype: str = "auto"  # auto: bf16 where supported, else fp16 with loss scaling
+    deterministic: bool = False  # deterministic kernels (bitwise-reproducible GPU runs; slower)
     # Ours.
     data_dir: Path | None = None
     device: str = "auto"
@@ -41,7 +53,11 @@ class TrainConfig:
     max_steps_per_epoch: int | None = None
     image_size: int | None = None  # None: the dataset's native size
     collective_timeout: float = 600.0
-    hang_timeout: float = 300.0  # seconds without a finished step before a rank exits; 0: off
+    # Seconds without a finished step or evaluation batch before a rank exits; 0: off. 60 s keeps a
+    # frozen node's cost under 2 minutes, with twice the longest legitimate pause (a first step)
+    # as margin: docs/fault-tolerance.md, "Choosing --hang-timeout".
+    hang_timeout: float = 60.0
+    stop_grace: float = 10.0  # seconds from a stop signal to an agreed boundary, else exit 77; 0: wait
     threads: int = 0  # 0: cores // local processes, unless OMP_NUM_THREADS is set
     weight_decay: float = 0.05
     warmup_steps: int = 0
@@ -58,6 +74,7 @@ class TrainConfig:
         self._check_choice("--dataset", self.dataset, DATASETS)
         self._check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         self._check_choice("--device", self.device, DEVICES)
+        self._check_choice("--amp-dtype", self.amp_dtype, AMP_DTYPES)
         if self.batch_size < 1:
             raise UsageError(f"--batch-size {self.batch_size} must be >= 1", "pass the global batch, e.g. 256")
         if self.epochs < 1:
@@ -83,6 +100,11 @@ class TrainConfig:
             raise UsageError(f"--collective-timeout {self.collective_timeout} must be > 0", "pass seconds, e.g. 600")
         if self.hang_timeout < 0:
             raise UsageError(f"--hang-timeout {self.hang_timeout} must be >= 0", "pass seconds, or 0 to disable")
+        if self.stop_grace < 0:
+            raise UsageError(
+                f"--stop-grace {self.stop_grace} must be >= 0",
+                "pass seconds (well inside the launcher's shutdown timeout, e.g. 10), or 0 to wait for the boundary",
+            )
         if self.threads < 0:
             raise UsageError(f"--threads {self.threads} must be >= 0", "pass 0 for automatic")
         if self.weight_decay < 0:
@@ -111,32 +133,36 @@ class TrainConfig:
         if value not in choices:
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(choices)}", f"pick one of {choices}")
 
-    def check_world_size(self, world_size: int) -> int:
-        """Return the per-process batch; the global batch must split evenly over the ranks."""
+    def check_world_size(self, world_size: int) -> None:
+        """Every process needs at least one sample of each global batch; how the batch is split
+        (shares that differ by at most one) is the sampler's business."""
         if self.batch_size < world_size:
             raise UsageError(
-                f"global --batch-size {self.batch_size} is smaller than the world size {world_size}",
-                f"use a global batch of at least {world_size} (a multiple of it), or fewer processes",
+                f"global --batch-size {self.batch_size} is smaller than the world size {world_size}: "
+                "every process needs at least one sample of each global batch",
+                f"use --batch-size {world_size} or more, or at most {self.batch_size} processes",
             )
-        if self.batch_size % world_size:
-            lower = self.batch_size - self.batch_size % world_size
-            raise UsageError(
-                f"global --batch-size {self.batch_size} is not divisible by the world size {world_size}",
-                f"use a multiple of {world_size}, e.g. {lower} or {lower + world_size}",
-            )
-        return self.batch_size // world_size
 
-    def fingerprint(self) -> dict[str, Any]:
-        """Settings a resumed run must share with its checkpoint: they define the model's shape
-        and the order of the data (the global batch sequence)."""
+    def fingerprint(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """What a resumed run must share with its checkpoint: the ``FINGERPRINT`` settings and
+        the dataset's identity ``data`` (``DataBundle.identity``), under ``data.`` keys."""
+        settings = asdict(self)
         return {
-            "model": self.model,
-            "dataset": self.dataset,
-            "image_size": self.image_size,
-            "batch_size": self.batch_size,
-            "optimizer": self.optimizer,
-            "seed": self.seed,
-            "max_steps_per_epoch": self.max_steps_per_epoch,
+            **{key: settings[key] for key in FINGERPRINT},
+            **{DATA_KEY + key: value for key, value in data.items()},
+        }
+
+    def changes_since(self, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Settings that differ from ``saved`` (a checkpoint's ``to_json``), as ``{name: (old, new)}``.
+
+        Only settings outside the fingerprint can differ on a resume (the fingerprint is
+        enforced); settings the checkpoint's version did not know are left out.
+        """
+        now = self.to_json()
+        return {
+            key: (saved[key], value)
+            for key, value in now.items()
+            if key not in FINGERPRINT and key in saved and saved[key] != value
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -10,6 +10,9 @@ The exit code is the contract with whoever launched us (a shell, torchrun, an sb
 
 from __future__ import annotations
 
+import sys
+from typing import Protocol
+
 EXIT_OK = 0
 EXIT_USAGE = 2
 
@@ -28,3 +31,14 @@ class UsageError(Exception):
 
 class DataError(UsageError):
     """The dataset is missing, malformed or corrupt."""
+
+
+class _Ranked(Protocol):
+    @property
+    def is_main(self) -> bool: ...
+
+
+def report_usage_error(exc: UsageError, env: _Ranked | None) -> None:
+    """One message for the whole job: printed by rank 0 (or by a process that does not know its rank)."""
+    if env is None or env.is_main:
+        print(f"elastic-train: error: {exc}", file=sys.stderr, flush=True)

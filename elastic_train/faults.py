@@ -5,6 +5,8 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
 * ``kill``: SIGKILL this process at the start of global step S (steps count from 1 across epochs).
 * ``hang``: block forever at the start of step S (a stuck rank; its peers wait in a collective).
 * ``raise``: raise ``InjectedFault`` at the start of step S.
+* ``preempt``: send this process SIGUSR1 at the start of step S, as a scheduler's preemption
+  notice would; the trainer stops at the next step boundary the ranks agree on.
 * ``kill_in_save`` / ``enospc``: consumed by the checkpoint writer (``fires(kind, step)``).
 
 A fault fires once per run, across restarts: before firing it leaves a marker file in the
@@ -26,7 +28,7 @@ import structlog
 from elastic_train.errors import UsageError
 
 ENV_VAR = "ELASTIC_TRAIN_FAULTS"
-STEP_KINDS = ("kill", "hang", "raise")
+STEP_KINDS = ("kill", "hang", "raise", "preempt")
 SAVE_KINDS = ("kill_in_save", "enospc")
 KINDS = STEP_KINDS + SAVE_KINDS
 HINT = f"write e.g. {ENV_VAR}='kill:rank=1:step=7,raise:rank=0:step=3:always'"
@@ -123,7 +125,7 @@ class FaultInjector:
         return False
 
     def at_step(self, step: int) -> None:
-        """Fire any kill/hang/raise fault due at the start of ``step``."""
+        """Fire any kill/hang/raise/preempt fault due at the start of ``step``."""
         if not self.faults:
             return
         for kind in STEP_KINDS:
@@ -134,5 +136,7 @@ class FaultInjector:
             elif kind == "hang":
                 while True:
                     time.sleep(3600)
+            elif kind == "preempt":
+                os.kill(os.getpid(), signal.SIGUSR1)
             else:
                 raise InjectedFault(f"injected fault: raise at step {step}")

@@ -1,10 +1,15 @@
 """Exact, SUM-reduced epoch metrics and the digest that proves which samples were trained on.
 
 Each rank keeps raw sums (correct, loss_sum, samples), never local averages; one all-reduce of
-the sums gives the global values exactly, however the data was split. The sample digest is an
-order-independent fingerprint of the multiset of dataset indices trained on in an epoch: two
-epochs have the same digest if (with overwhelming probability) they trained on the same
-samples, each the same number of times, whatever the world size or how often the run restarted.
+the sums gives the global values exactly, however the data was split.
+
+The sample digest is an order-independent hash of the MULTISET of dataset indices trained on in
+an epoch: each index is mixed by splitmix64 (salted, in two lanes) and the mixed values are
+added modulo 2^64. Addition makes it independent of order, batching, world size and restarts
+(partial digests of ranks and attempts simply add up); the mix makes any change of the multiset
+(a skipped, repeated or swapped sample) change each lane like a random 64-bit value, so two
+different epochs share a digest with probability about 2^-128. (The previous digest, sums of
+i and i^2 modulo a prime, collided for swaps such as {0, 4, 5} vs {1, 2, 6}.)
 """
 
 from __future__ import annotations
@@ -12,13 +17,40 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from elastic_train.distributed.process_group import all_reduce_sum
 
-# A Mersenne prime: sums of indices and of squared indices are kept modulo it so they fit in
-# int64 after an all-reduce over thousands of ranks.
-DIGEST_PRIME = (1 << 31) - 1
+U64 = npt.NDArray[np.uint64]
+# One salt per lane: the lanes are independent hash functions of the same index. Digits of pi
+# (nothing up the sleeve); any two distinct constants would do.
+LANE_SALTS = np.array([0x243F6A8885A308D3, 0x13198A2E03707344], dtype=np.uint64)
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+def splitmix64(x: U64) -> U64:
+    """Vigna's splitmix64 output function, elementwise on ``uint64`` (arithmetic wraps mod 2^64).
+
+    A bijection of 64-bit values that mixes every input bit into every output bit.
+    """
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def index_digest(indices: torch.Tensor) -> U64:
+    """The two lanes of the digest of ``indices``: ``sum(splitmix64(i ^ salt)) mod 2^64`` each."""
+    idx = indices.detach().cpu().numpy().astype(np.uint64).reshape(-1, 1)
+    mixed = splitmix64(idx ^ LANE_SALTS)  # [n, 2]
+    lanes: U64 = mixed.sum(axis=0, dtype=np.uint64)
+    return lanes
+
+
+def format_digest(lanes: U64) -> str:
+    return "-".join(f"{int(lane):016x}" for lane in lanes)
 
 
 class MetricSums:
@@ -28,7 +60,8 @@ class MetricSums:
         self.device = device
         # correct, loss_sum, samples: float64 so large sums stay exact enough.
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
-        # index sum, index-square sum (mod DIGEST_PRIME): int64, on the CPU where indices live.
+        # The digest's two uint64 lanes, stored bit for bit as int64 (the dtype checkpoints and
+        # collectives support), on the CPU where the indices live.
         self.digest = torch.zeros(2, dtype=torch.int64)
 
     def add_batch(self, logits: torch.Tensor, labels: torch.Tensor, mean_loss: torch.Tensor) -> None:
@@ -38,32 +71,44 @@ class MetricSums:
             [
                 correct.to(torch.float64),
                 mean_loss.detach().to(torch.float64) * count,
-                torch.tensor(count, dtype=torch.float64, device=self.device),
+                # A fill kernel with the count as its argument: no host-to-device copy, no sync
+                # (torch.tensor(count, device=cuda) would copy and synchronise every step).
+                torch.full((), count, dtype=torch.float64, device=self.device),
             ]
         )
         self.sums += batch
 
+    def _lanes(self) -> U64:
+        """The digest's lanes as a writable ``uint64`` view of ``self.digest``."""
+        lanes: U64 = self.digest.numpy().view(np.uint64)
+        return lanes
+
     def add_indices(self, indices: torch.Tensor) -> None:
-        # +1 so that index 0 counts too (it would add nothing to either sum).
-        idx = (indices.to(torch.int64) + 1) % DIGEST_PRIME
-        self.digest[0] = (self.digest[0] + idx.sum()) % DIGEST_PRIME
-        self.digest[1] = (self.digest[1] + (idx * idx % DIGEST_PRIME).sum()) % DIGEST_PRIME
+        lanes = self._lanes()
+        lanes += index_digest(indices)
 
     def add_digest(self, other: torch.Tensor) -> None:
         """Fold in another digest (e.g. the partial epoch of a rank that no longer exists)."""
-        self.digest[:] = (self.digest + other.to(torch.int64)) % DIGEST_PRIME
+        lanes = self._lanes()
+        lanes += other.detach().cpu().to(torch.int64).numpy().view(np.uint64)
+
+    def digest_hex(self) -> str:
+        """This rank's digest so far, formatted as ``Totals.digest``."""
+        return format_digest(self._lanes())
 
     def reduce(self) -> Totals:
         """All-reduce (SUM) across ranks. Collective: every rank must call it."""
         sums = all_reduce_sum(self.sums.clone())
-        digest = all_reduce_sum(self.digest.clone().to(self.device)).cpu() % DIGEST_PRIME
         correct, loss_sum, samples = (float(v) for v in sums.cpu())
-        return Totals(
-            correct=correct,
-            loss_sum=loss_sum,
-            samples=int(samples),
-            digest=f"{int(digest[0]):08x}-{int(digest[1]):08x}",
-        )
+        return Totals(correct=correct, loss_sum=loss_sum, samples=int(samples), digest=self._reduce_digest())
+
+    def _reduce_digest(self) -> str:
+        """Sum the lanes over ranks mod 2^64 without relying on a backend's integer overflow:
+        each lane travels as two 32-bit halves in int64 (exact for up to 2^31 ranks)."""
+        lanes = self._lanes()
+        halves = np.concatenate([lanes & _LOW32, lanes >> np.uint64(32)]).astype(np.int64)
+        summed = all_reduce_sum(torch.from_numpy(halves).to(self.device)).cpu().numpy().astype(np.uint64)
+        return format_digest(summed[:2] + (summed[2:] << np.uint64(32)))
 
 
 @dataclass(frozen=True)

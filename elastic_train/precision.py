@@ -40,13 +40,16 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 
-def choose_precision(amp: bool, device: torch.device) -> Precision:
+def choose_precision(amp: bool, device: torch.device, dtype: str = "auto") -> Precision:
+    """``dtype``: auto (bf16 where supported, else fp16), bf16 or fp16 (``--amp-dtype``)."""
     device_type = device.type
     if not amp:
         return Precision(device_type, None, torch.amp.GradScaler(device_type, enabled=False))
     if device_type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        if dtype == "bf16" or (dtype == "auto" and torch.cuda.is_bf16_supported()):
             return Precision(device_type, torch.bfloat16, torch.amp.GradScaler("cuda", enabled=False))
         return Precision(device_type, torch.float16, torch.amp.GradScaler("cuda", enabled=True))
+    if dtype == "fp16":
+        log.warning("amp_fp16_on_cpu", detail="fp16 autocast is for GPUs; using bf16 on the CPU")
     log.warning("amp_on_cpu", detail="--amp on CPU uses bf16 autocast; it is often slower than fp32 on CPUs")
     return Precision(device_type, torch.bfloat16, torch.amp.GradScaler(device_type, enabled=False))

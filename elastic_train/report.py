@@ -30,7 +30,7 @@ from elastic_train.errors import EXIT_OK, EXIT_USAGE
 from elastic_train.logs import parse_timestamp
 
 EPOCH_KEYS = ("train_loss", "train_acc", "val_loss", "val_acc", "throughput", "world_size")
-CAUSE_COLORS = {"failure": "tab:red", "hang": "tab:purple", "preemption": "tab:orange"}
+CAUSE_COLORS = {"failure": "tab:red", "hang": "tab:purple", "preemption": "tab:orange", "stop": "tab:blue"}
 
 
 def _time(event: dict[str, Any]) -> float:

@@ -20,19 +20,22 @@ from elastic_train.config import TrainConfig
 from elastic_train.data import build_data
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.process_group import ControlPlane, Placement, choose_placement, process_group
-from elastic_train.errors import EXIT_OK
+from elastic_train.errors import EXIT_OK, EXIT_USAGE, UsageError, report_usage_error
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, attach_rank_log, parse_timestamp
 from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
-from elastic_train.resilience.preemption import (
-    EXIT_PREEMPTED,
-    Preempted,
-    PreemptionFlag,
-    clear_marker,
-    write_marker,
-)
+from elastic_train.resilience.orphan import ParentWatch
 from elastic_train.resilience.preemption import (
     MARKER as PREEMPTED_MARKER,
+)
+from elastic_train.resilience.preemption import (
+    STOP_MARKER,
+    Preempted,
+    PreemptionFlag,
+    StopGrace,
+    StopKind,
+    clear_marker,
+    write_marker,
 )
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.startup import StartupClock
@@ -53,21 +56,17 @@ def configure_threads(cfg: TrainConfig, env: DistEnv) -> int:
     return threads
 
 
-def warn_shared_rendezvous_store(env: DistEnv) -> None:
-    """torchrun's shared store lets restarted workers read the previous round's addresses."""
-    if env.launched and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-        if max_restarts > 0 and env.is_main:
-            log.warning(
-                "shared_rendezvous_store",
-                detail="restarts with the agent's shared store can read stale addresses and waste a restart",
-                hint="export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (jobs/elastic-agent.sh does)",
-            )
-
-
-def _tune_cuda(placement: Placement) -> None:
-    if placement.is_cuda:
+def _tune_cuda(placement: Placement, deterministic: bool) -> None:
+    if deterministic:
+        # cuBLAS needs a fixed workspace for deterministic results; it reads the variable when
+        # it initialises, i.e. before the first matmul on the device.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # warns on an op without a deterministic kernel
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    elif placement.is_cuda:
         torch.backends.cudnn.benchmark = True
+    if placement.is_cuda:
         torch.set_float32_matmul_precision("high")
 
 
@@ -79,10 +78,11 @@ def checkpoint_config(cfg: TrainConfig) -> CheckpointConfig:
         keep_last=cfg.keep_last,
         resume=cfg.resume,
         async_save=cfg.async_checkpoint,
+        hang_timeout=cfg.hang_timeout,
     )
 
 
-def _announce_resume(console: Console, loaded: Loaded) -> None:
+def _announce_resume(console: Console, loaded: Loaded, cfg: TrainConfig) -> None:
     m = loaded.manifest
     console.line(f"Resumed from {loaded.folder} at epoch {m.epoch + 1}, step {m.step}")
     log.info(
@@ -93,26 +93,43 @@ def _announce_resume(console: Console, loaded: Loaded) -> None:
         batch_in_epoch=m.batch_in_epoch,
         saved_world_size=m.world_size,
     )
+    # Allowed but consequential (a new --base-lr or --epochs reshapes the schedule): say so.
+    changes = cfg.changes_since(m.config)
+    if changes:
+        log.warning(
+            "resume_config_changed", changes={key: {"old": old, "new": new} for key, (old, new) in changes.items()}
+        )
+        listed = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items())
+        console.line(f"Settings changed since the checkpoint: {listed}")
 
 
 @record
 def train(cfg: TrainConfig, env: DistEnv) -> int:
+    """The whole run in this process. Bad input (flags, data, checkpoints) returns ``EXIT_USAGE``
+    on every rank with one message and no traceback: it is agreed collectively where it is found
+    (data, checkpoints), so no rank raises past ``@record`` and gets its peers SIGTERMed."""
     clock = StartupClock()
     clock.mark("interpreter_and_imports")
-    placement = choose_placement(cfg.device, env)
-    threads = configure_threads(cfg, env)
-    # Fault markers sit beside the checkpoints: a fault fires once per run, across restarts.
-    faults = FaultInjector.from_environ(env.rank, cfg.checkpoint_dir / ".faults")
-    _tune_cuda(placement)
-    warn_shared_rendezvous_store(env)
-    preemption = PreemptionFlag()
-    preemption.install()  # from here on SIGTERM/SIGUSR1/SIGUSR2 mean "checkpoint and exit 75"
+    if env.launched:
+        ParentWatch(env.rank).start()  # a worker whose launcher died must not train on as an orphan
+    # From here on SIGTERM/SIGUSR1/SIGUSR2 mean "checkpoint at the next agreed step and exit 76/75",
+    # or exit 77 after --stop-grace seconds. Left installed until the process exits: a signal
+    # during the teardown must not turn a clean exit code into -15.
+    preemption = PreemptionFlag(StopGrace(cfg.stop_grace, env.rank))
+    preemption.install()
     try:
+        placement = choose_placement(cfg.device, env)
+        threads = configure_threads(cfg, env)
+        # Fault markers sit beside the checkpoints: a fault fires once per run, across restarts.
+        faults = FaultInjector.from_environ(env.rank, cfg.checkpoint_dir / ".faults")
+        _tune_cuda(placement, cfg.deterministic)
         with process_group(env, placement, cfg.collective_timeout):
             clock.mark("process_group")
             return _train_in_group(cfg, env, placement, faults, preemption, threads, clock)
-    finally:
-        preemption.uninstall()
+    except UsageError as exc:
+        report_usage_error(exc, env)
+        log.error("exit", code=EXIT_USAGE, reason="bad input", error=str(exc))
+        return EXIT_USAGE
 
 
 def _train_in_group(
@@ -128,7 +145,8 @@ def _train_in_group(
     control = ControlPlane(placement)
     bundle = build_data(cfg, env)
     clock.mark("data")
-    checkpointer = Checkpointer(checkpoint_config(cfg), env, faults, cfg.fingerprint(), control.group)
+    fingerprint = cfg.fingerprint(bundle.identity())
+    checkpointer = Checkpointer(checkpoint_config(cfg), env, faults, fingerprint, control.group)
     checkpointer.start()
     try:
         loaded = checkpointer.resume()
@@ -154,7 +172,7 @@ def _train_in_group(
         if loaded is not None:
             trainer.restore(loaded)
             checkpointer.last_committed_step = loaded.manifest.step
-            _announce_resume(console, loaded)
+            _announce_resume(console, loaded, cfg)
             del loaded
         watchdog.start()
         try:
@@ -190,6 +208,8 @@ def _previous_exit_cause(cfg: TrainConfig, since: float) -> str:
     """Why the previous attempt ended: its preemption marker, a watchdog report, or a failure."""
     if (cfg.checkpoint_dir / PREEMPTED_MARKER).exists():
         return "preemption"
+    if (cfg.checkpoint_dir / STOP_MARKER).exists():
+        return "stop"  # the launcher stopped the workers: a restart for a peer or a membership change
     for path in cfg.log_dir.glob("rank-*.jsonl"):
         with path.open("rb") as fh:
             fh.seek(max(0, path.stat().st_size - 65536))
@@ -233,9 +253,12 @@ def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None) -> 
 
 def _exit_preempted(cfg: TrainConfig, env: DistEnv, console: Console, flag: PreemptionFlag, exc: Preempted) -> int:
     signal_name = flag.signal_name or "a peer's signal"
+    code = exc.kind.exit_code
     if should_manage_checkpoints(env):
-        write_marker(cfg.checkpoint_dir, exc.step, signal_name, exc.committed)
+        write_marker(cfg.checkpoint_dir, exc.step, signal_name, exc.committed, exc.kind)
     state = "checkpoint committed" if exc.committed else "CHECKPOINT FAILED (the previous one is kept)"
-    console.line(f"Preempted by {signal_name} at step {exc.step}: {state}; exiting with code {EXIT_PREEMPTED}")
-    log.warning("exit", code=EXIT_PREEMPTED, reason="preempted", step=exc.step, committed=exc.committed)
-    return EXIT_PREEMPTED
+    what = "Preempted" if exc.kind is StopKind.PREEMPT else "Stopped"
+    console.line(f"{what} by {signal_name} at step {exc.step}: {state}; exiting with code {code}")
+    reason = "preempted" if exc.kind is StopKind.PREEMPT else "stopped"
+    log.warning("exit", code=code, reason=reason, step=exc.step, committed=exc.committed)
+    return code

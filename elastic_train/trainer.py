@@ -33,7 +33,7 @@ from elastic_train.models import build_model
 from elastic_train.precision import Precision, choose_precision
 from elastic_train.progress import ProgressBar
 from elastic_train.resilience.goodput import ProgressTracker
-from elastic_train.resilience.preemption import Preempted, PreemptionFlag
+from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
 
 log = structlog.get_logger(__name__)
@@ -142,7 +142,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, module)
         self.total_steps = cfg.epochs * self.sampler.batches_per_epoch
         self.scheduler = build_schedule(cfg, self.optimizer, self.total_steps)
-        self.precision: Precision = choose_precision(cfg.amp, self.device)
+        self.precision: Precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
         self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
         self.state = TrainState()
         # A partly trained epoch restored from a checkpoint: its metric sums and time so far.
@@ -159,13 +159,18 @@ class Trainer:
         return x, labels.to(self.device, non_blocking=True)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on this rank's share of a global batch; DDP averages the gradients."""
+        """One optimizer step on this rank's share of a global batch; DDP averages the gradients.
+
+        Shares may differ by one sample (64 over 3 ranks: 22, 21, 21), so the mean loss is
+        weighted by the share's size before DDP's average: the update is the global batch's mean
+        at any world size. The returned loss is the unweighted mean, for the metric sums.
+        """
         with self.precision.autocast():
             logits = self.model(x)
             loss = self.criterion(logits, y)
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.precision.scaler
-        scaler.scale(loss).backward()
+        scaler.scale(loss * self.sampler.loss_weight(y.shape[0])).backward()
         if self.checkpointer is not None:
             self.checkpointer.wait_staged()  # an async save may still be copying the weights
         scaler.step(self.optimizer)
@@ -198,48 +203,62 @@ class Trainer:
                 self.watchdog.beat(self.state.step)
             if self.tracker is not None:
                 self.tracker.on_step(self.state.step)
-            self._step_boundary(sums, prior + time.perf_counter() - start)
+            last = self.state.batch_in_epoch >= self.sampler.batches_per_epoch
+            self._step_boundary(sums, prior + time.perf_counter() - start, last)
         if self.placement.is_cuda:
             torch.cuda.synchronize(self.device)
         elapsed = prior + time.perf_counter() - start
         self.progress.close()
         return sums.reduce(), all_reduce_max(elapsed, self.device)
 
-    def _step_boundary(self, sums: MetricSums, elapsed: float) -> None:
-        """Between two steps: preemption, committing a finished async save, starting a due one.
+    def _step_boundary(self, sums: MetricSums, elapsed: float, last: bool = False) -> None:
+        """Between two steps: stop requests, committing a finished async save, starting a due one.
 
-        Collective: one small MAX all-reduce of [preemption requested anywhere, rank 0 says a
-        timed save is due, some rank's shard is not durable yet], so every rank decides alike.
+        Collective. The ranks agree on [stop kind requested anywhere, rank 0 says a timed save
+        is due, some rank's shard is not durable yet] with a MAX all-reduce that is posted here
+        and collected at the next boundary (``ControlPlane``): it overlaps the next step, and
+        every rank acts on the same answer at the same step. ``last`` (the epoch's final step)
+        collects without posting: the epoch end agrees synchronously.
         """
         ck = self.checkpointer
         if ck is None or self.control is None:
             return
-        preempt, time_due, not_done = self.control.agree(
-            self.preemption is not None and self.preemption.requested,
-            self.env.is_main and ck.due_by_time(),
-            not ck.local_done(),
-        )
-        if preempt:
-            self._stop_for_preemption(sums, elapsed)
+        # Nothing posted yet (the first step of this process or epoch): no stop, no commit.
+        stop, time_due, not_done = self.control.collect() or (StopKind.NONE, 0, 1)
+        if stop:
+            self._stop_for_preemption(sums, elapsed, StopKind(stop))
+        if ck.pending and not_done:
+            # Only while a save is in flight: ask again now rather than a step later, so a shard
+            # that became durable during this step commits at this boundary (what a crash in
+            # the next step would otherwise cost). Every rank has the same pending save.
+            (not_done,) = self.control.agree(not ck.local_done())
         if ck.pending and not not_done:
             ck.commit_pending()
         # On an epoch's last batch the epoch-end checkpoint (after evaluation) comes next instead.
         epoch_done = self.state.batch_in_epoch >= self.sampler.batches_per_epoch
         if (ck.due_by_step(self.state.step) or time_due) and not epoch_done:
             ck.save(self.snapshot(sums, elapsed), sync=not self.cfg.async_checkpoint)
+        if not last:
+            self.control.post(self._stop_requested(), self.env.is_main and ck.due_by_time(), not ck.local_done())
 
-    def _stop_for_preemption(self, sums: MetricSums | None, elapsed: float) -> None:
+    def _stop_requested(self) -> StopKind:
+        return self.preemption.kind if self.preemption is not None else StopKind.NONE
+
+    def _stop_for_preemption(self, sums: MetricSums | None, elapsed: float, kind: StopKind) -> None:
         """Every rank: commit a checkpoint of this exact step synchronously, then stop."""
         ck = self.checkpointer
         assert ck is not None
+        if self.preemption is not None:
+            self.preemption.acknowledge()  # the boundary is reached: no grace-period exit now
         if ck.pending:
             ck.commit_pending()
-        committed = ck.last_committed_step == self.state.step
-        if not committed:
-            committed = bool(ck.save(self.snapshot(sums, elapsed), sync=True))
+        # save() skips a state this run's timeline already committed (rank 0 decides for all).
+        committed = bool(ck.save(self.snapshot(sums, elapsed), sync=True))
         signal_name = self.preemption.signal_name if self.preemption else None
-        log.warning("preempted", step=self.state.step, signal=signal_name, checkpoint_committed=committed)
-        raise Preempted(self.state.step, committed)
+        log.warning(
+            "preempted", step=self.state.step, signal=signal_name, kind=kind.name, checkpoint_committed=committed
+        )
+        raise Preempted(self.state.step, committed, kind)
 
     # ------------------------------------------------------------------ checkpoint state
     def snapshot(self, sums: MetricSums | None = None, elapsed: float = 0.0, finished: bool = False) -> Snapshot:
@@ -275,7 +294,7 @@ class Trainer:
             replicated=replicated,
             per_rank=per_rank,
             trainer=trainer,
-            fingerprint=self.cfg.fingerprint(),
+            fingerprint=self.cfg.fingerprint(self.bundle.identity()),
             config=self.cfg.to_json(),
             finished=finished,
         )
@@ -361,7 +380,7 @@ class Trainer:
             f"Backend: {self.placement.backend}, device: {self.device.type}, model: {cfg.model} "
             f"({params / 1e6:.2f}M params), dataset: {bundle.name} ({len(bundle.train)} train / "
             f"{len(bundle.val)} val, {bundle.num_classes} classes, {bundle.image_size}px), "
-            f"global batch: {cfg.batch_size}, per-process batch: {cfg.batch_size // env.world_size}, "
+            f"global batch: {cfg.batch_size}, per-process batch: {self.sampler.per_process_batch}, "
             f"precision: {self.precision.name}"
         )
         log.info("run_config", **file_only(config=cfg.to_json(), params=params))
@@ -386,9 +405,9 @@ class Trainer:
                 self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
             self._save_epoch_end(finished=stopped_early or self.state.epoch >= self.cfg.epochs)
             if self.control is not None and self.preemption is not None and not stopped_early:
-                (preempt,) = self.control.agree(self.preemption.requested)
-                if preempt and self.state.epoch < self.cfg.epochs:
-                    self._stop_for_preemption(None, 0.0)
+                (stop,) = self.control.agree(self._stop_requested())
+                if stop and self.state.epoch < self.cfg.epochs:
+                    self._stop_for_preemption(None, 0.0, StopKind(stop))
         return self._summary(time.perf_counter() - wall_start, stopped_early)
 
     def _save_epoch_end(self, finished: bool) -> None:

@@ -15,10 +15,18 @@
 #   ET_MAX_RESTARTS    restarts per agent after worker failures (default 3)
 #   ET_STORE_HOST      1: this agent hosts the store itself (no standalone store); default 0
 #   ET_JOIN_TIMEOUT    seconds an agent waits for the minimum number of nodes (default 600)
+#   ET_LOCAL_ADDR      this node's address for the rendezvous and the workers' store (torchrun
+#                      --local-addr; default: torchrun resolves the hostname). Set it when the
+#                      hostname resolves to another interface (several NICs, network namespaces);
+#                      GLOO_SOCKET_IFNAME=<interface> does the same for the workers' gloo traffic
+#                      (the environment reaches the workers unchanged)
 #   ET_SHUTDOWN_TIMEOUT seconds between SIGTERM and SIGKILL for workers (default 60): the
 #                      preemption checkpoint must be committed inside it
 #   ET_LAUNCHER        torchrun (default) | warm: python -m elastic_train.launch, torchrun's agent
 #                      with workers forked from a preloaded process (restarts skip ~3.5 s of imports)
+#   ET_RUNTIME, ET_VENV, ET_MODULES, ET_CONTAINER, ET_PIP_ARGS  where python and torch come from, as
+#                      in train.sbatch (a module or container runtime venv is built by the first
+#                      agent or job that needs it, in the project dir, and reused by the others)
 #   ET_LOG_DIR, ET_CHECKPOINT_DIR  as in train.sbatch (shared storage for multi-node jobs)
 # Arguments go to the trainer unchanged.
 set -euo pipefail
@@ -57,5 +65,5 @@ et_run_forwarding "${ET_RUN[@]}" "${ET_LAUNCH[@]}" --nnodes="${ET_NNODES:-1:2}" 
   --max-restarts="${ET_MAX_RESTARTS:-3}" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" \
   --rdzv-id="${ET_RDZV_ID:-${SLURM_JOB_ID:-elastic-train}}" --rdzv-conf="$rdzv_conf" \
   --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2 \
-  --shutdown-timeout="${ET_SHUTDOWN_TIMEOUT:-60}" \
+  --shutdown-timeout="${ET_SHUTDOWN_TIMEOUT:-60}" ${ET_LOCAL_ADDR:+"--local-addr=$ET_LOCAL_ADDR"} \
   -m elastic_train --log-dir "$ET_LOG_DIR" --checkpoint-dir "$ET_CHECKPOINT_DIR" "$@"

@@ -1,16 +1,26 @@
-"""Two (or more) torchrun agents on loopback, each standing for a node, for elastic tests."""
+"""Two (or more) torchrun agents, each standing for a node, for elastic tests.
+
+By default every agent and the rendezvous store are on loopback. Given a ``tests.netns.Host``,
+each runs inside that host's network namespace instead, at the host's address, so a test can cut
+a node off the network (``Host.set_link``). A node is its agent plus its workers, found by the
+agent's environment token (torchrun puts each worker in a session of its own: a process-group
+signal misses them).
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from elastic_train.checkpoint.format import MANIFEST, read_manifest, step_folders
 from elastic_train.logs import parse_timestamp
 from tests.helpers import (
     ROOT,
@@ -23,27 +33,31 @@ from tests.helpers import (
     read_jsonl,
     tagged,
 )
+from tests.netns import Host
 
 VENV = Path(sys.prefix)
 
 
 @contextmanager
-def rendezvous_store(tmp: Path) -> Iterator[str]:
-    """A standalone store (python -m elastic_train.rendezvous); yields host:port."""
-    port = free_port()
+def rendezvous_store(tmp: Path, host: Host | None = None) -> Iterator[str]:
+    """A standalone store (python -m elastic_train.rendezvous), on loopback or inside ``host``'s
+    namespace at its address; yields host:port."""
+    addr = host.addr if host is not None else "127.0.0.1"
+    port = free_port()  # free here; in a fresh namespace every port is free
     ready = tmp / "store.ready"
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_train.rendezvous",
+        "--host",
+        addr,
+        "--port",
+        str(port),
+        "--ready-file",
+        str(ready),
+    ]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "elastic_train.rendezvous",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--ready-file",
-            str(ready),
-        ],
+        host.command(command) if host is not None else command,
         env=base_env(),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
@@ -55,17 +69,30 @@ def rendezvous_store(tmp: Path) -> Iterator[str]:
         while not ready.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "rendezvous store did not start"
             time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
+        yield f"{addr}:{port}"
     finally:
         kill_group(proc)
         proc.wait()
 
 
 class Agent:
-    """``jobs/elastic-agent.sh`` with one worker, output to files, in its own session."""
+    """``jobs/elastic-agent.sh`` with one worker, output to files, in its own session.
+
+    With ``host``, the agent and its worker run in the host's namespace: the agent announces the
+    host's address (``ET_LOCAL_ADDR``) and the worker's gloo uses the host's interface
+    (``GLOO_SOCKET_IFNAME``), because the hostname both would use otherwise resolves to an address
+    outside the namespace.
+    """
 
     def __init__(
-        self, name: str, base: Path, endpoint: str, job: str, args: list[str], env: dict[str, str] | None = None
+        self,
+        name: str,
+        base: Path,
+        endpoint: str,
+        job: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        host: Host | None = None,
     ) -> None:
         self.name = name
         self.out = base / f"agent-{name}.out"
@@ -81,14 +108,16 @@ class Agent:
             "ET_SHUTDOWN_TIMEOUT": "10",
             "ET_JOIN_TIMEOUT": "60",
             "SLURM_SUBMIT_DIR": str(ROOT),
+            **({"ET_LOCAL_ADDR": host.addr, "GLOO_SOCKET_IFNAME": host.ifname} if host is not None else {}),
             **(env or {}),
         }
         self.started = time.time()
         child_env = base_env(agent_env)
         self.token = child_env[TOKEN_VAR]  # marks the agent and its workers: "the node"
+        command = ["bash", str(ROOT / "jobs" / "elastic-agent.sh"), *args]
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen(
-                ["bash", str(ROOT / "jobs" / "elastic-agent.sh"), *args],
+                host.command(command) if host is not None else command,
                 env=child_env,
                 cwd=ROOT,
                 stdout=out,
@@ -103,6 +132,43 @@ class Agent:
         """SIGKILL the agent and its workers at once, like a node that lost power."""
         kill_tagged(self.token)
         return time.time()
+
+    def freeze(self) -> float:
+        """SIGSTOP the agent and every worker, like a node that stopped answering (a kernel stall,
+        a hypervisor pause): nothing exits, no socket closes. Returns when all are stopped."""
+        for _ in range(50):  # a worker being (re)started between listing and signalling is caught next round
+            pids = tagged(self.token)
+            self._signal_all(pids, signal.SIGSTOP)
+            if all(_stopped(pid) for pid in pids) and set(tagged(self.token)) == set(pids):
+                return time.time()
+            time.sleep(0.05)
+        raise AssertionError(f"node {self.name} did not stop: {[(p, _state(p)) for p in tagged(self.token)]}")
+
+    def thaw(self) -> float:
+        """SIGCONT every process of the node (after ``freeze``)."""
+        self._signal_all(tagged(self.token), signal.SIGCONT)
+        return time.time()
+
+    @staticmethod
+    def _signal_all(pids: list[int], sig: int) -> None:
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def worker_ranks(self) -> list[int]:
+        """The global ranks of this node's live workers (RANK as torchrun set it)."""
+        ranks = []
+        for pid in self.worker_pids():
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ranks += [int(v[5:]) for v in environ if v.startswith(b"RANK=")]
+        return ranks
+
+    def exited(self) -> int | None:
+        """The agent's exit code, or None while it runs."""
+        return self.proc.poll()
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)  # the script forwards it to torchrun, torchrun to the worker
@@ -129,6 +195,18 @@ class Agent:
         self.proc.wait()
 
 
+def _state(pid: int) -> str:
+    """The process state letter from /proc (R, S, T, Z, ...), "gone" if it no longer exists."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def _stopped(pid: int) -> bool:
+    return _state(pid) in ("T", "t", "gone", "Z")
+
+
 def all_events(base: Path, name: str) -> list[dict[str, Any]]:
     found = []
     for path in sorted((base / "logs").glob("rank-*.jsonl")):
@@ -140,6 +218,59 @@ def event_time(event: dict[str, Any]) -> float:
     at = parse_timestamp(event["timestamp"])
     assert at is not None, f"unreadable timestamp in {event}"
     return at
+
+
+def first_step_after(base: Path, since: float, world_size: int) -> float | None:
+    """When the first step at ``world_size`` after ``since`` finished (any rank), or None."""
+    times = [event_time(e) for e in all_events(base, "first_step") if e["world_size"] == world_size]
+    later = [t for t in times if t > since]
+    return min(later) if later else None
+
+
+def rank_log_events(base: Path, name: str) -> dict[int, list[dict[str, Any]]]:
+    """``name`` events per rank log file, in time order (a rank id is reused by every group)."""
+    found: dict[int, list[dict[str, Any]]] = {}
+    for path in (base / "logs").glob("rank-*.jsonl"):
+        rank = int(path.stem.split("-")[1])
+        found[rank] = sorted((e for e in read_jsonl(path) if e.get("event") == name), key=event_time)
+    return found
+
+
+def assert_one_lineage(base: Path) -> None:
+    """Checkpoints form one timeline, whoever survived: no step was committed twice (by two groups
+    or at all), commits only move forward, every committed folder verifies (sizes, xxh3, sha256)
+    with ``python -m elastic_train.ckpt verify``, and all manifests belong to one run."""
+    commits = rank_log_events(base, "checkpoint_committed")
+    # Every group has a rank 0, and all of them log to the same rank-0.jsonl.
+    by_step = {e["step"]: e["world_size"] for e in commits.get(0, [])}
+    for rank, events in sorted(commits.items()):
+        steps = [e["step"] for e in events]
+        assert all(a < b for a, b in itertools.pairwise(steps)), (
+            f"rank {rank}'s commits not strictly increasing: {steps}"
+        )
+        for e in events:
+            assert by_step.get(e["step"]) == e["world_size"], (
+                f"rank {rank} committed step {e['step']} at world size {e['world_size']}; rank 0's commits: {by_step}"
+            )
+    assert by_step, "no checkpoint was committed"
+    root = base / "ckpt"
+    manifests = sorted((read_manifest(f) for f in step_folders(root) if (f / MANIFEST).exists()), key=lambda m: m.step)
+    on_disk = [m.step for m in manifests]
+    assert on_disk and set(on_disk) <= set(by_step), f"manifests of steps {on_disk}, commits logged: {sorted(by_step)}"
+    assert len({m.run_id for m in manifests}) == 1, f"manifests of several runs: {[m.run_id for m in manifests]}"
+    assert all(m.fingerprint == manifests[0].fingerprint for m in manifests), "manifests of different runs' settings"
+    positions = [(m.epoch, m.batch_in_epoch) for m in manifests]
+    assert positions == sorted(set(positions)), f"the data position does not advance with the step: {positions}"
+    assert manifests[-1].finished, f"the newest checkpoint (step {on_disk[-1]}) is not the final one"
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_train.ckpt", "verify", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=base_env(),
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, f"checkpoint verification failed:\n{done.stdout}{done.stderr}"
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:

@@ -6,7 +6,9 @@ import errno
 import json
 import os
 import random
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +19,24 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from elastic_train.checkpoint import format as fmt
-from elastic_train.checkpoint.lock import CheckpointLock
-from elastic_train.checkpoint.manager import CheckpointConfig, load, select_checkpoint
+from elastic_train.checkpoint import lock as lock_module
+from elastic_train.checkpoint.lock import CheckpointLock, lock_ttl
+from elastic_train.checkpoint.manager import (
+    CheckpointConfig,
+    Checkpointer,
+    SaveTarget,
+    Snapshot,
+    load,
+    select_checkpoint,
+)
 from elastic_train.checkpoint.state import assign_shards, capture_rng, flatten, restore_rng, unflatten
-from elastic_train.checkpoint.storage import point_latest, retention_victims, write_atomic
+from elastic_train.checkpoint.storage import move_aside, point_latest, retention_victims, write_atomic
 from elastic_train.checkpoint.tensor_io import write_shard
+from elastic_train.ckpt import main as ckpt_main
+from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import UsageError
+from elastic_train.faults import FaultInjector
+from tests.helpers import spawn_ranks
 
 FINGERPRINT = {"model": "vit", "batch_size": 32}
 
@@ -58,9 +72,10 @@ json_values = st.recursive(
     files=st.dictionaries(st.text(min_size=1, max_size=12), entries, max_size=5),
     trainer=st.dictionaries(st.text(max_size=8), json_values, max_size=5),
     finished=st.booleans(),
+    timeline=st.text(max_size=16),
 )
 def test_manifest_round_trips_through_json(
-    step: int, files: dict[str, fmt.FileEntry], trainer: dict[str, object], finished: bool
+    step: int, files: dict[str, fmt.FileEntry], trainer: dict[str, object], finished: bool, timeline: str
 ) -> None:
     m = fmt.Manifest(
         step=step,
@@ -74,8 +89,20 @@ def test_manifest_round_trips_through_json(
         config={"epochs": 10},
         versions={"torch": "x"},
         finished=finished,
+        timeline=timeline,
+        parent="step-00000002",
     )
     assert fmt.Manifest.from_json(m.to_json(), Path("m.json")) == m
+
+
+def test_a_format_1_manifest_still_loads_with_an_unknown_timeline(tmp_path: Path) -> None:
+    folder = make_checkpoint(tmp_path, 3)
+    raw = json.loads((folder / fmt.MANIFEST).read_text())
+    del raw["timeline"], raw["parent"]
+    raw["version"] = 1
+    (folder / fmt.MANIFEST).write_text(json.dumps(raw))
+    manifest = fmt.verify(folder)
+    assert (manifest.version, manifest.timeline, manifest.parent) == (1, "", "")
 
 
 @pytest.mark.parametrize(
@@ -138,9 +165,14 @@ def test_rng_streams_round_trip() -> None:
 
 # ---------------------------------------------------------------------------- folders on disk
 def make_checkpoint(
-    root: Path, step: int, finished: bool = False, fingerprint: dict[str, object] | None = None
+    root: Path,
+    step: int,
+    finished: bool = False,
+    fingerprint: dict[str, object] | None = None,
+    timeline: str = "t-made",
+    version: int = 1,
 ) -> Path:
-    folder = root / fmt.step_dir_name(step)
+    folder = root / fmt.step_dir_name(step, version)
     folder.mkdir(parents=True)
     name = fmt.shard_name(0, 1)
     entry = write_shard(folder / name, {"model.w": torch.full((64,), float(step))}, {})
@@ -156,6 +188,7 @@ def make_checkpoint(
         config={},
         versions={},
         finished=finished,
+        timeline=timeline,
     )
     write_atomic(folder / fmt.MANIFEST, manifest.to_json().encode())
     point_latest(root, folder)
@@ -261,6 +294,40 @@ def test_retention_keeps_the_newest_and_spares_the_protected(tmp_path: Path) -> 
     assert retention_victims(tmp_path, keep_last=2, protect={folders[0]}).count(folders[0]) == 0
 
 
+def test_versions_of_a_step_sort_between_it_and_the_next_step_and_set_aside_folders_are_not_step_folders(
+    tmp_path: Path,
+) -> None:
+    for name in ("step-00000004", "step-00000003-v10", "step-00000003", "step-00000003-v2", "step-00000002"):
+        (tmp_path / name).mkdir()
+    for odd in ("step-00000003-v1", "step-00000003-v0", "step-00000003.corrupt-20261201T000000Z", "step-3"):
+        (tmp_path / odd).mkdir()
+    order = [p.name for p in fmt.step_folders(tmp_path)]
+    assert order == ["step-00000004", "step-00000003-v10", "step-00000003-v2", "step-00000003", "step-00000002"]
+    assert [p.name for p in fmt.versions_of(tmp_path, 3)] == ["step-00000003", "step-00000003-v2", "step-00000003-v10"]
+    assert fmt.checkpoint_key(tmp_path / "step-00000003-v2") == (3, 2) and fmt.step_dir_name(3, 2) == "step-00000003-v2"
+    assert [p.name for p in fmt.aside_folders(tmp_path)] == ["step-00000003.corrupt-20261201T000000Z"]
+
+
+def test_retention_counts_versions_and_never_touches_folders_set_aside(tmp_path: Path) -> None:
+    old = [make_checkpoint(tmp_path, s) for s in (1, 2)]
+    mid = make_checkpoint(tmp_path, 3)
+    end = make_checkpoint(tmp_path, 3, version=2)
+    in_progress = tmp_path / fmt.step_dir_name(3, 3)
+    in_progress.mkdir()
+    aside = move_aside(make_checkpoint(tmp_path, 4), fmt.CORRUPT)
+    victims = retention_victims(tmp_path, keep_last=2, protect={end})
+    assert sorted(victims) == sorted(old), "keep step 3 and its newer version; spare the save in progress"
+    assert mid not in victims and in_progress not in victims and aside not in victims
+
+
+def test_moving_aside_renames_and_never_deletes_even_twice_in_a_second(tmp_path: Path) -> None:
+    first = move_aside(make_checkpoint(tmp_path, 7), fmt.CORRUPT)
+    second = move_aside(make_checkpoint(tmp_path, 7, timeline="again"), fmt.CORRUPT)
+    assert first != second and first.name.startswith("step-00000007.corrupt-")
+    assert all((p / fmt.MANIFEST).exists() and (p / fmt.shard_name(0, 1)).exists() for p in (first, second))
+    assert fmt.step_folders(tmp_path) == []
+
+
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
     target = tmp_path / "manifest.json"
     write_atomic(target, b"old")
@@ -281,30 +348,383 @@ def test_latest_moves_atomically(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- lock
+TTL = 60.0
+
+
+def plant_lock(root: Path, age_s: float, content: str | None = None, host: str = "elsewhere") -> Path:
+    """A lock of another run whose last heartbeat was ``age_s`` ago."""
+    path = root / ".lock"
+    record = {"owner": "job-other", "host": host, "pid": 1, "ttl": TTL}
+    path.write_text(json.dumps(record) if content is None else content)
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
 def test_a_second_run_is_refused_while_the_first_holds_the_lock(tmp_path: Path) -> None:
-    first = CheckpointLock(tmp_path, owner="job-1")
+    first = CheckpointLock(tmp_path, owner="job-1", ttl_s=TTL)
     first.acquire()
+    again = CheckpointLock(tmp_path, owner="job-1", ttl_s=TTL)
     try:
         with pytest.raises(UsageError, match="in use by run 'job-1'") as info:
-            CheckpointLock(tmp_path, owner="job-2").acquire()
+            CheckpointLock(tmp_path, owner="job-2", ttl_s=TTL).acquire()
         assert "another --checkpoint-dir" in str(info.value)
-        CheckpointLock(tmp_path, owner="job-1").acquire()  # the same job after a restart
+        again.acquire()  # the same job after a restart takes its lock back
+        assert first.lost() and not again.lost()
     finally:
         first.release()
+        assert (tmp_path / ".lock").exists(), "releasing a lock that was taken over must leave the new holder's"
+        again.release()
+    assert not (tmp_path / ".lock").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [], "no private or stale lock files left behind"
 
 
-def test_a_crashed_runs_lock_does_not_block_forever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    stale = {"owner": "job-dead", "host": "elsewhere", "pid": 1, "heartbeat": time.time() - 3600}
-    (tmp_path / ".lock").write_text(json.dumps(stale))
-    lock = CheckpointLock(tmp_path, owner="job-new")
-    lock.acquire()
+def test_a_crashed_runs_lock_does_not_block_forever(tmp_path: Path) -> None:
+    plant_lock(tmp_path, age_s=TTL + 5)
+    lock = CheckpointLock(tmp_path, owner="job-new", ttl_s=TTL)
+    with capture_logs() as logs:
+        lock.acquire()
+    assert any(e["event"] == "checkpoint_lock_taken_over" for e in logs)
+    assert json.loads((tmp_path / ".lock").read_text())["owner"] == "job-new"
     lock.release()
     assert not (tmp_path / ".lock").exists()
     # Same host, fresh heartbeat, but the process is gone: taken over at once.
-    gone = {"owner": "job-dead", "host": lock.host, "pid": 2**22 + 7, "heartbeat": time.time()}
-    (tmp_path / ".lock").write_text(json.dumps(gone))
+    plant_lock(tmp_path, age_s=0, content=json.dumps({"owner": "job-dead", "host": lock.host, "pid": 2**22 + 7}))
     lock.acquire()
     lock.release()
+
+
+def test_a_fresh_lock_that_cannot_be_read_counts_as_held_until_it_is_stale(tmp_path: Path) -> None:
+    plant_lock(tmp_path, age_s=1, content="")  # e.g. a holder between O_EXCL create and write
+    with pytest.raises(UsageError, match="in use by a run"):
+        CheckpointLock(tmp_path, owner="job-new", ttl_s=TTL).acquire()
+    plant_lock(tmp_path, age_s=TTL + 5, content="")
+    lock = CheckpointLock(tmp_path, owner="job-new", ttl_s=TTL)
+    lock.acquire()
+    lock.release()
+
+
+def test_the_ttl_a_holder_wrote_is_the_one_others_judge_it_by(tmp_path: Path) -> None:
+    record = {"owner": "job-slow", "host": "elsewhere", "pid": 1, "ttl": 1000.0}
+    plant_lock(tmp_path, age_s=500, content=json.dumps(record))
+    with pytest.raises(UsageError, match="stale after 1000s"):
+        CheckpointLock(tmp_path, owner="job-new", ttl_s=TTL).acquire()
+
+
+@pytest.mark.parametrize("existing", ["none", "stale"])
+def test_of_many_racing_starters_exactly_one_takes_the_lock(tmp_path: Path, existing: str) -> None:
+    if existing == "stale":
+        plant_lock(tmp_path, age_s=TTL + 5)
+    locks = [CheckpointLock(tmp_path, owner=f"job-{i}", ttl_s=TTL) for i in range(8)]
+    barrier = threading.Barrier(len(locks))
+    won: list[CheckpointLock] = []
+
+    def start(lock: CheckpointLock) -> None:
+        barrier.wait()
+        try:
+            lock.acquire()
+            won.append(lock)
+        except UsageError:
+            pass
+
+    threads = [threading.Thread(target=start, args=(lock,)) for lock in locks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert len(won) == 1, f"{len(won)} runs hold the lock"
+        assert json.loads((tmp_path / ".lock").read_text())["owner"] == won[0].owner
+    finally:
+        for lock in won:
+            lock.release()
+
+
+def test_a_takeover_backs_off_when_the_holder_beats_in_between(tmp_path: Path) -> None:
+    path = plant_lock(tmp_path, age_s=TTL + 5)
+    contender = CheckpointLock(tmp_path, owner="job-new", ttl_s=TTL)
+    judged = contender.inspect()
+    assert judged is not None and contender.blocks_us(judged) is None
+    os.utime(path)  # the holder was only slow: it beats before the contender renames
+    assert contender._take_over(judged) is False
+    held = contender.inspect()
+    assert held is not None and held.inode == judged.inode and held.record["owner"] == "job-other"
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]
+
+
+def test_a_takeover_mutex_left_by_a_crashed_contender_is_cleared(tmp_path: Path) -> None:
+    plant_lock(tmp_path, age_s=TTL + 5)
+    mutex = tmp_path / lock_module.MUTEX_NAME
+    mutex.write_text("elsewhere 1\n")
+    then = time.time() - lock_module.MUTEX_STALE_S - 5
+    os.utime(mutex, (then, then))
+    lock = CheckpointLock(tmp_path, owner="job-new", ttl_s=TTL)
+    lock.acquire()
+    lock.release()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_the_holder_beats_and_notices_when_its_lock_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)
+    lock = CheckpointLock(tmp_path, owner="job-1", ttl_s=TTL)
+    lock.acquire()
+    try:
+        then = time.time() - 30
+        os.utime(lock.path, (then, then))
+        deadline = time.monotonic() + 5
+        while time.time() - lock.path.stat().st_mtime > 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert time.time() - lock.path.stat().st_mtime < 10, "the heartbeat did not refresh the lock"
+        other = tmp_path / "other"
+        other.write_text(json.dumps({"owner": "job-2", "host": "elsewhere", "pid": 1}))
+        with capture_logs() as logs:
+            os.replace(other, lock.path)
+            deadline = time.monotonic() + 5
+            while not any(e["event"] == "checkpoint_lock_lost" for e in logs) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert lock.lost() and any(e["event"] == "checkpoint_lock_lost" for e in logs)
+    finally:
+        lock.release()
+    assert json.loads(lock.path.read_text())["owner"] == "job-2", "release must not remove another run's lock"
+
+
+def test_the_lock_ttl_outlasts_the_hang_timeout_unless_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(lock_module.TTL_VAR, raising=False)
+    for hang in (30.0, 90.0, 300.0):
+        assert lock_ttl(hang) >= hang + 120, "a frozen holder's job must be able to restart and retake it"
+    assert lock_ttl(0.0) == lock_module.NO_WATCHDOG_TTL_S
+    monkeypatch.setenv(lock_module.TTL_VAR, "7")
+    assert lock_ttl(300.0) == 7.0
+    monkeypatch.setenv(lock_module.TTL_VAR, "soon")
+    with pytest.raises(UsageError, match="ELASTIC_TRAIN_LOCK_TTL='soon'"):
+        lock_ttl(300.0)
+
+
+# ---------------------------------------------------------------------------- save decisions
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[None]:
+    """A one-process gloo group, as the checkpointer's collectives need one."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def checkpointer(root: Path, resume: str = "auto") -> Checkpointer:
+    ck = Checkpointer(
+        CheckpointConfig(root=root, resume=resume, async_save=False, keep_last=10),
+        DistEnv(run_id="unit"),
+        FaultInjector([], 0, root / ".faults"),
+        FINGERPRINT,
+    )
+    ck.start()
+    return ck
+
+
+def snap(step: int, epoch: int, batch: int, finished: bool = False) -> Snapshot:
+    return Snapshot(
+        step=step,
+        epoch=epoch,
+        batch_in_epoch=batch,
+        replicated={"model.w": torch.full((16,), float(step * 100 + epoch * 10 + batch))},
+        per_rank={},
+        trainer={},
+        fingerprint=FINGERPRINT,
+        config={},
+        finished=finished,
+    )
+
+
+def names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+
+
+@pytest.mark.usefixtures("group")
+def test_the_same_state_on_the_same_timeline_is_committed_once(tmp_path: Path) -> None:
+    ck = checkpointer(tmp_path)
+    try:
+        assert ck.resume() is None
+        assert ck.save(snap(4, 1, 0), sync=True) is True
+        before = (tmp_path / fmt.step_dir_name(4) / fmt.MANIFEST).read_bytes()
+        with capture_logs() as logs:
+            assert ck.save(snap(4, 1, 0), sync=True) is True
+        assert [e["event"] for e in logs if e["event"].startswith("checkpoint_")] == ["checkpoint_exists"]
+        assert names(tmp_path) == [fmt.step_dir_name(4)]
+        assert (tmp_path / fmt.step_dir_name(4) / fmt.MANIFEST).read_bytes() == before
+    finally:
+        ck.close()
+
+
+@pytest.mark.usefixtures("group")
+def test_an_epoch_end_after_a_mid_epoch_save_of_the_same_step_is_committed_as_a_new_version(tmp_path: Path) -> None:
+    first = checkpointer(tmp_path)
+    first.resume()
+    assert first.save(snap(3, 0, 3), sync=True) is True  # preempted on the epoch's last batch
+    first.close()
+    mid = (tmp_path / fmt.step_dir_name(3) / fmt.MANIFEST).read_bytes()
+    resumed = checkpointer(tmp_path)
+    try:
+        loaded = resumed.resume()
+        assert loaded is not None and loaded.manifest.batch_in_epoch == 3
+        assert resumed.save(snap(3, 1, 0), sync=True) is True  # the evaluated epoch end
+        assert resumed.save(snap(3, 1, 0, finished=True), sync=True) is True  # and then finished
+    finally:
+        resumed.close()
+    assert names(tmp_path) == [fmt.step_dir_name(3), fmt.step_dir_name(3, 2), fmt.step_dir_name(3, 3)]
+    assert (tmp_path / fmt.step_dir_name(3) / fmt.MANIFEST).read_bytes() == mid, "the committed one is untouched"
+    assert fmt.latest_target(tmp_path) == tmp_path / fmt.step_dir_name(3, 3)
+    newest = fmt.verify(tmp_path / fmt.step_dir_name(3, 3))
+    assert newest.position == (3, 1, 0, True) and newest.timeline == loaded.manifest.timeline
+    assert choose(tmp_path) == tmp_path / fmt.step_dir_name(3, 3), "auto resume takes the newest version"
+
+
+@pytest.mark.usefixtures("group")
+def test_a_corrupt_checkpoint_found_on_fallback_is_moved_aside_and_its_step_written_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = checkpointer(tmp_path)
+    first.resume()
+    for step in (1, 2, 3):
+        first.save(snap(step, 0, step), sync=True)
+    first.close()
+    corrupt(tmp_path / fmt.step_dir_name(3), "flip")
+    resumed = checkpointer(tmp_path)
+    try:
+        loaded = resumed.resume()
+        assert loaded is not None and loaded.manifest.step == 2
+        aside = fmt.aside_folders(tmp_path)
+        assert [fmt.aside_reason(a) for a in aside] == ["corrupt"] and aside[0].name.startswith("step-00000003.")
+        assert (aside[0] / fmt.shard_name(0, 1)).exists(), "set aside, never deleted"
+        assert fmt.latest_target(tmp_path) == tmp_path / fmt.step_dir_name(2)
+        assert resumed.save(snap(3, 0, 3), sync=True) is True
+    finally:
+        resumed.close()
+    assert fmt.verify(tmp_path / fmt.step_dir_name(3)).timeline == loaded.manifest.timeline
+    assert ckpt_main(["list", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert f"{aside[0].name}  set aside (corrupt" in listing and "step-00000003  ok" in listing
+
+
+@pytest.mark.usefixtures("group")
+def test_no_valid_checkpoint_moves_nothing_aside(tmp_path: Path) -> None:
+    corrupt(make_checkpoint(tmp_path, 1), "flip")
+    ck = checkpointer(tmp_path)
+    try:
+        with pytest.raises(UsageError, match="none is valid"):
+            ck.resume()
+    finally:
+        ck.close()
+    assert names(tmp_path) == [fmt.step_dir_name(1)]
+
+
+@pytest.mark.usefixtures("group")
+def test_resuming_from_an_older_checkpoint_moves_the_abandoned_future_aside(tmp_path: Path) -> None:
+    first = checkpointer(tmp_path)
+    first.resume()
+    for step in (1, 2, 3, 4):
+        first.save(snap(step, 0, step), sync=True)
+    first.close()
+    old_timeline = fmt.read_manifest(tmp_path / fmt.step_dir_name(4)).timeline
+    forked = checkpointer(tmp_path, resume=str(tmp_path / fmt.step_dir_name(2)))
+    try:
+        with capture_logs() as logs:
+            loaded = forked.resume()
+        assert loaded is not None and loaded.manifest.step == 2
+        fork = [e for e in logs if e["event"] == "checkpoint_timeline_forked"]
+        assert fork and fork[0]["abandoned"] == [fmt.step_dir_name(4), fmt.step_dir_name(3)]
+        assert forked.timeline != old_timeline
+        assert fmt.latest_target(tmp_path) == tmp_path / fmt.step_dir_name(2)
+        assert forked.save(snap(3, 0, 3), sync=True) is True
+    finally:
+        forked.close()
+    ours = fmt.verify(tmp_path / fmt.step_dir_name(3))
+    assert (ours.timeline, ours.parent) == (forked.timeline, fmt.step_dir_name(2))
+    assert [fmt.aside_reason(a) for a in fmt.aside_folders(tmp_path)] == ["abandoned", "abandoned"]
+    assert choose(tmp_path) == tmp_path / fmt.step_dir_name(3), "a later auto resume continues our timeline"
+
+
+@pytest.mark.usefixtures("group")
+def test_a_checkpoint_of_another_timeline_at_the_step_being_saved_is_moved_aside_not_taken_for_ours(
+    tmp_path: Path,
+) -> None:
+    ck = checkpointer(tmp_path)
+    try:
+        ck.resume()
+        make_checkpoint(tmp_path, 5, timeline="someone-else")  # same step, same position, other timeline
+        with capture_logs() as logs:
+            assert ck.save(snap(5, 5, 0), sync=True) is True
+        assert any(e["event"] == "checkpoint_other_timeline" for e in logs)
+    finally:
+        ck.close()
+    assert fmt.verify(tmp_path / fmt.step_dir_name(5)).timeline == ck.timeline
+    assert [fmt.aside_reason(a) for a in fmt.aside_folders(tmp_path)] == ["abandoned"]
+
+
+@pytest.mark.usefixtures("group")
+def test_a_run_whose_lock_was_taken_over_commits_nothing(tmp_path: Path) -> None:
+    ck = checkpointer(tmp_path)
+    try:
+        ck.resume()
+        other = tmp_path / "other-lock"
+        other.write_text(json.dumps({"owner": "job-2", "host": "elsewhere", "pid": 1}))
+        os.replace(other, tmp_path / ".lock")
+        with capture_logs() as logs:
+            assert ck.save(snap(1, 0, 1), sync=True) is False
+        failed = [e for e in logs if e["event"] == "checkpoint_failed"]
+        assert failed and "taken over" in failed[0]["error"]
+    finally:
+        ck.close()
+    assert not (tmp_path / fmt.step_dir_name(1) / fmt.MANIFEST).exists()
+    assert json.loads((tmp_path / ".lock").read_text())["owner"] == "job-2"
+
+
+def decision_worker(rank: int, world: int, init_file: str, root: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world, run_id="t", launched=True)
+        base = Path(root)
+        faults = FaultInjector([], rank, base / ".faults")
+        ck = Checkpointer(CheckpointConfig(root=base, async_save=False), env, faults, FINGERPRINT)
+        if rank != 0:
+
+            def not_mine(_: Snapshot) -> SaveTarget:
+                raise AssertionError("only rank 0 decides where a save goes")
+
+            ck._target = not_mine  # type: ignore[method-assign,assignment]
+        ck.start()
+        assert ck.resume() is None
+        assert ck.save(snap(3, 0, 3), sync=True) is True
+        assert ck.save(snap(3, 0, 3), sync=True) is True  # already committed: skipped on every rank
+        assert ck.save(snap(3, 1, 0), sync=True) is True  # another state: a new version
+        if rank == 0:
+            make_checkpoint(base, 6, timeline="abandoned-future")
+        dist.barrier()
+        assert ck.save(snap(6, 2, 0), sync=True) is True
+        ck.close()
+        if rank == 0:
+            assert names(base) == [
+                fmt.step_dir_name(3),
+                fmt.step_dir_name(3, 2),
+                fmt.step_dir_name(6),
+                *[a.name for a in fmt.aside_folders(base)],
+            ]
+            assert all(len(fmt.verify(base / n).files) == world for n in (fmt.step_dir_name(3, 2), "step-00000006"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_every_rank_follows_rank_0s_decision_on_where_a_save_goes(tmp_path: Path) -> None:
+    spawn_ranks(decision_worker, 2, (str(tmp_path),), timeout=90)
+    assert [fmt.aside_reason(a) for a in fmt.aside_folders(tmp_path)] == ["abandoned"]
 
 
 @settings(max_examples=20)

@@ -64,7 +64,7 @@ def test_single_process_run_prints_the_seeds_lines_and_writes_logs(tmp_path: Pat
         (["--target-accuracy", "2"], "outside (0, 1]"),
         (["--model", "gpt2"], "invalid choice: 'gpt2'"),
         (["--dataset", "tiny-imagenet", "--data-dir", "/nonexistent/tiny"], "/nonexistent/tiny does not exist"),
-        (["--dataset", "imagefolder", "--data-dir", "/nonexistent/folder"], "is not a folder"),
+        (["--dataset", "imagefolder", "--data-dir", "/nonexistent/folder"], "/nonexistent/folder does not exist"),
         (["--batch-size", "8192"], "fewer than one global batch"),
     ],
 )

@@ -8,6 +8,7 @@ import pytest
 
 from elastic_train.cli import parse_config
 from elastic_train.config import TrainConfig
+from elastic_train.data.sampler import per_process_batch
 from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import UsageError
 
@@ -28,7 +29,8 @@ def test_the_seeds_flags_parse_with_the_seeds_meaning() -> None:
     assert cfg.model == "resnet18" and cfg.dataset == "tiny-imagenet" and cfg.data_dir == Path("/d")
     assert (cfg.batch_size, cfg.epochs, cfg.base_lr, cfg.patience, cfg.seed) == (1024, 100, 0.0003, 2, 7)
     assert cfg.amp and cfg.num_workers == 8 and cfg.optimizer == "sgd"
-    assert cfg.check_world_size(4) == 256  # per-process batch = global // world
+    cfg.check_world_size(4)
+    assert str(per_process_batch(cfg.batch_size, 4)) == "256"  # the global batch split over 4
 
 
 @pytest.mark.parametrize(
@@ -57,11 +59,32 @@ def test_bad_flags_raise_a_usage_error_with_a_fix(argv: list[str], problem: str)
     assert "Fix:" in str(info.value)
 
 
-@pytest.mark.parametrize(("batch", "world", "hint"), [(10, 4, "e.g. 8 or 12"), (3, 4, "at least 4")])
-def test_global_batch_must_split_evenly_over_the_world(batch: int, world: int, hint: str) -> None:
-    with pytest.raises(UsageError, match="world size") as info:
-        TrainConfig(batch_size=batch).check_world_size(world)
-    assert hint in str(info.value)
+def test_a_global_batch_smaller_than_the_world_is_a_usage_error_with_a_fix() -> None:
+    with pytest.raises(UsageError, match="world size 4") as info:
+        TrainConfig(batch_size=3).check_world_size(4)
+    assert "--batch-size 3 is smaller than the world size 4" in str(info.value)
+    assert "Fix: use --batch-size 4 or more, or at most 3 processes" in str(info.value)
+
+
+@pytest.mark.parametrize(("batch", "world"), [(10, 4), (64, 3), (1024, 12), (7, 7), (5, 1)])
+def test_any_world_size_up_to_the_global_batch_is_accepted(batch: int, world: int) -> None:
+    TrainConfig(batch_size=batch).check_world_size(world)  # no divisibility requirement
+
+
+def test_the_fingerprint_holds_the_data_order_settings_and_the_dataset_identity() -> None:
+    cfg = TrainConfig(batch_size=64, seed=7)
+    fp = cfg.fingerprint({"train_samples": 10, "train_content": "10 files, sha256 ab"})
+    assert fp["batch_size"] == 64 and fp["seed"] == 7 and fp["model"] == "vit"
+    assert fp["data.train_samples"] == 10 and fp["data.train_content"] == "10 files, sha256 ab"
+    assert "base_lr" not in fp and "epochs" not in fp, "a resume may change them"
+
+
+def test_changes_since_lists_only_settings_a_resume_may_change() -> None:
+    saved = TrainConfig(base_lr=1e-3, epochs=5, patience=3).to_json()
+    saved.pop("warmup_steps")  # a setting the checkpoint's version did not know
+    now = TrainConfig(base_lr=2e-3, epochs=8, patience=3, warmup_steps=10)
+    assert now.changes_since(saved) == {"base_lr": (1e-3, 2e-3), "epochs": (5, 8)}
+    assert TrainConfig().changes_since(TrainConfig().to_json()) == {}
 
 
 def test_env_is_read_once_from_torchrun_variables() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -133,3 +135,66 @@ def test_digits_are_the_real_scikit_learn_digits() -> None:
     bundle = digits()
     assert len(bundle.train) + len(bundle.val) == 1797 and bundle.num_classes == 10
     assert bundle.train.load(0)[0].shape == (3, 32, 32)
+
+
+# ---------------------------------------------------------------- identity (resume fingerprint)
+def folder_identity(root: Path) -> dict[str, object]:
+    return load_imagefolder(root, image_size=32, augment_seed=0).identity()
+
+
+def test_a_folder_dataset_keeps_its_identity_when_moved(tmp_path: Path) -> None:
+    imagefolder_tree(tmp_path / "a")
+    before = folder_identity(tmp_path / "a")
+    assert before == folder_identity(tmp_path / "a"), "identity must be reproducible"
+    shutil.copytree(tmp_path / "a", tmp_path / "scratch" / "copy")  # e.g. staged to node-local disk
+    assert folder_identity(tmp_path / "scratch" / "copy") == before
+    assert before["train_samples"] == 18 and before["classes"] == 3
+    assert str(before["train_content"]).startswith("18 files, sha256 ")
+
+
+@pytest.mark.parametrize("change", ["replace", "add", "relabel", "rename"])
+def test_a_folder_dataset_whose_files_change_gets_another_identity(tmp_path: Path, change: str) -> None:
+    imagefolder_tree(tmp_path)
+    before = folder_identity(tmp_path)
+    image = tmp_path / "train" / "class_1" / "2.png"
+    if change == "replace":  # another image of another size under the same name
+        image.write_bytes(image.read_bytes() + b"\0" * 16)
+    elif change == "add":
+        shutil.copy(image, image.with_name("extra.png"))
+    elif change == "relabel":  # same file, other class folder: the sample's label changed
+        os.rename(image, tmp_path / "train" / "class_2" / "moved.png")
+    else:
+        os.rename(image, image.with_name("9.png"))
+    after = folder_identity(tmp_path)
+    assert after["train_content"] != before["train_content"]
+    assert after["val_content"] == before["val_content"], "only the train split changed"
+
+
+def test_tiny_imagenet_identity_covers_the_validation_labels(tmp_path: Path) -> None:
+    root = tiny_imagenet_tree(tmp_path)
+    cfg = TrainConfig(dataset="tiny-imagenet", data_dir=tmp_path)
+    before = load_bundle(cfg).identity()
+    annotations = root / "val" / "val_annotations.txt"
+    lines = annotations.read_text().splitlines()
+    lines[0] = lines[0].replace(WNIDS[0], WNIDS[1])  # one validation image relabelled
+    annotations.write_text("\n".join(lines) + "\n")
+    after = load_bundle(cfg).identity()
+    assert after["val_content"] != before["val_content"] and after["train_content"] == before["train_content"]
+
+
+def test_generated_datasets_are_identified_by_their_recipe() -> None:
+    ident = synthetic().identity()
+    assert ident == synthetic().identity()
+    assert "data seed 1234" in str(ident["train_content"]) and ident["train_samples"] == 4096
+    assert synthetic(64).identity() != ident, "another image size is another dataset"
+    assert digits().identity()["train_content"] != ident["train_content"]
+
+
+def test_an_identity_computed_by_another_rank_is_adopted_without_reading_files(tmp_path: Path) -> None:
+    imagefolder_tree(tmp_path)
+    bundle = load_imagefolder(tmp_path, image_size=32, augment_seed=0)
+    shared = {"train_samples": 18, "train_content": "from rank 0"}
+    shutil.rmtree(tmp_path / "train")  # reading the files now would fail
+    assert dataclasses.replace(bundle, known_identity=shared).identity() == shared
+    with pytest.raises(DataError, match="cannot read"):
+        bundle.identity()

@@ -46,7 +46,7 @@ def test_a_killed_worker_is_forked_again_warm_and_ends_bitwise_equal(tmp_path: P
     assert len(starts) == 2 and all(e["startup_s"]["interpreter_and_imports"] < 1.0 for e in starts), starts
 
 
-def test_sigterm_to_the_warm_launcher_checkpoints_and_exits_with_the_requeue_code(tmp_path: Path) -> None:
+def test_sigterm_to_the_warm_launcher_checkpoints_and_is_booked_as_a_stop_not_a_preemption(tmp_path: Path) -> None:
     long_run = flags(
         batch_size=32, max_steps_per_epoch=200, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=2
     )
@@ -67,13 +67,17 @@ def test_sigterm_to_the_warm_launcher_checkpoints_and_exits_with_the_requeue_cod
     finally:
         kill_group(proc)
         kill_tagged(env["ELASTIC_TRAIN_TEST_TOKEN"])
-    marker = json.loads((tmp_path / "ckpt" / ".preempted.json").read_text())
+    # torchrun's SIGTERM is "the launcher stops its workers", not the scheduler's preemption:
+    # a checkpoint, exit 76 and .stopped.json; no .preempted.json that a job script would requeue on.
+    assert not (tmp_path / "ckpt" / ".preempted.json").exists()
+    marker = json.loads((tmp_path / "ckpt" / ".stopped.json").read_text())
     assert marker["committed"] and marker["signal"] == "SIGTERM", out + err
     exits = [e for e in read_jsonl(tmp_path / "logs" / "rank-0.jsonl") if e.get("event") == "exit"]
-    assert exits and exits[-1]["code"] == 75
+    assert exits and exits[-1]["code"] == 76
     resumed = warm(STANDALONE_2, args)
     assert resumed.returncode == 0, resumed.output
     assert f"step {marker['step']}" in resumed.stdout and "Steps recomputed: 0" in resumed.stdout
+    assert "(stop: 1)" in resumed.stdout
 
 
 def test_only_the_trainer_can_be_launched(tmp_path: Path) -> None:

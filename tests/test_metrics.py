@@ -3,29 +3,57 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
+import numpy as np
+import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from elastic_train.early_stop import EarlyStopper
-from elastic_train.metrics import DIGEST_PRIME, EpochRecord, MetricSums
+from elastic_train.metrics import LANE_SALTS, EpochRecord, MetricSums, index_digest, splitmix64
 from elastic_train.trainer import Summary
 
 SEED_EPOCH_LINE = re.compile(
     r"^Epoch \d+/\d+: time=\d+\.\d{3}s, train_loss=\d+\.\d{4}, train_acc=\d\.\d{4}, "
     r"val_loss=\d+\.\d{4}, val_acc=\d\.\d{4}, throughput=\d+\.\d img/s$"
 )
+MASK64 = (1 << 64) - 1
+INDICES = st.integers(0, 2**40)
 
 
-def digest_of(indices: list[int], chunks: int = 1) -> tuple[int, int]:
+def digest_of(indices: list[int], chunks: int = 1) -> str:
     sums = MetricSums(torch.device("cpu"))
     for part in range(chunks):
         sums.add_indices(torch.tensor(indices[part::chunks], dtype=torch.int64))
-    return int(sums.digest[0]), int(sums.digest[1])
+    return sums.digest_hex()
 
 
-@given(st.lists(st.integers(0, 10**9), max_size=300), st.integers(1, 5), st.randoms())
+def reference_splitmix64(x: int) -> int:
+    """Vigna's splitmix64 on Python integers, for checking the vectorised one."""
+    z = (x + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def test_splitmix64_matches_the_reference_output() -> None:
+    # splitmix64 seeded with 0 first returns 0xE220A8397B1DCDAF (Vigna's reference C code).
+    assert int(splitmix64(np.array([0], dtype=np.uint64))[0]) == 0xE220A8397B1DCDAF
+    values = [0, 1, 2**32 + 7, 2**63 + 5, MASK64]
+    mixed = splitmix64(np.array(values, dtype=np.uint64))
+    assert [int(v) for v in mixed] == [reference_splitmix64(v) for v in values]
+
+
+@given(st.lists(INDICES, max_size=200))
+def test_digest_is_the_sum_of_salted_splitmix64_modulo_2_64(indices: list[int]) -> None:
+    expected = [sum(reference_splitmix64(i ^ int(salt)) for i in indices) & MASK64 for salt in LANE_SALTS]
+    assert [int(v) for v in index_digest(torch.tensor(indices, dtype=torch.int64))] == expected
+    assert digest_of(indices) == "-".join(f"{v:016x}" for v in expected)
+
+
+@given(st.lists(INDICES, max_size=300), st.integers(1, 5), st.randoms())
 def test_digest_ignores_order_and_batching(indices: list[int], chunks: int, rnd: object) -> None:
     shuffled = list(indices)
     rnd.shuffle(shuffled)  # type: ignore[attr-defined]
@@ -42,9 +70,44 @@ def test_digest_changes_when_a_sample_is_skipped_or_repeated(indices: list[int],
     assert digest_of(indices[:i] + indices[i + 1 :] + [indices[j]]) != digest_of(indices)
 
 
-def test_digest_values_stay_below_the_prime() -> None:
-    s, q = digest_of(list(range(10**5)))
-    assert 0 <= s < DIGEST_PRIME and 0 <= q < DIGEST_PRIME
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=200), st.data())
+def test_digest_changes_when_any_samples_are_swapped_for_others(indices: list[int], data: st.DataObject) -> None:
+    positions = data.draw(st.sets(st.integers(0, len(indices) - 1), min_size=1), label="positions replaced")
+    changed = list(indices)
+    for p in positions:
+        changed[p] = data.draw(st.integers(0, 5000), label=f"new index at {p}")
+    assume(Counter(changed) != Counter(indices))  # a different multiset of the same size
+    assert digest_of(changed) != digest_of(indices)
+
+
+def test_three_sample_swaps_that_fooled_the_old_digest_are_caught() -> None:
+    # Same sum (9) and same sum of squares (41): the previous digest could not tell them apart.
+    assert digest_of([0, 4, 5]) != digest_of([1, 2, 6])
+    assert digest_of([*range(10, 100), 0, 4, 5]) != digest_of([*range(10, 100), 1, 2, 6])
+
+
+@given(st.lists(INDICES, max_size=100), st.lists(INDICES, max_size=100))
+def test_merging_digests_equals_the_digest_of_the_union(a: list[int], b: list[int]) -> None:
+    merged = MetricSums(torch.device("cpu"))
+    merged.add_indices(torch.tensor(a, dtype=torch.int64))
+    part = MetricSums(torch.device("cpu"))
+    part.add_indices(torch.tensor(b, dtype=torch.int64))
+    merged.add_digest(part.digest)  # as a resume at another world size merges the old ranks'
+    assert merged.digest_hex() == digest_of(a + b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_adding_a_batch_never_synchronises_the_device() -> None:
+    sums = MetricSums(torch.device("cuda"))
+    logits = torch.randn(8, 10, device="cuda")
+    labels = torch.randint(0, 10, (8,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+    try:
+        sums.add_batch(logits, labels, torch.nn.functional.cross_entropy(logits, labels))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sums.sums[2].item() == 8
 
 
 def test_metric_sums_are_raw_counts_not_averages() -> None:

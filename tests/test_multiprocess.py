@@ -121,11 +121,11 @@ def test_an_exception_on_one_rank_tears_the_group_down_with_no_orphan(tmp_path: 
 
 def test_bad_world_size_fit_exits_2_on_every_rank_with_one_message(tmp_path: Path) -> None:
     with ranks(
-        2, ["--batch-size", "3", "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")]
+        2, ["--batch-size", "1", "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")]
     ) as procs:
         results = wait_all(procs, timeout=60)
     assert [r.returncode for r in results] == [2, 2]
-    assert "not divisible by the world size 2" in results[0].stderr
+    assert "global --batch-size 1 is smaller than the world size 2" in results[0].stderr
     assert results[1].stderr == "", "the message is printed once, by rank 0"
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 

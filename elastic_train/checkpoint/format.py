@@ -3,6 +3,12 @@
 A checkpoint is a folder ``step-<N:08d>/`` holding one ``shard-<r:05d>-of-<W:05d>.safetensors``
 per rank and ``manifest.json``. It counts only once ``manifest.json`` exists and verifies: the
 manifest is written last, after every shard is durable, and lists each file's size and sha256.
+
+A second, different checkpoint of the same step (the evaluated epoch end after a preemption
+committed that step mid-epoch) goes to a new version of the folder, ``step-<N:08d>-v<K>``,
+beside the first: newest is the highest ``(step, version)``. A folder set aside (found corrupt,
+or of an abandoned timeline) is renamed ``<folder>.<reason>-<UTC time>``: no longer a step
+folder, so resume and retention ignore it, and nothing ever deletes it.
 See docs/checkpoint-format.md.
 """
 
@@ -20,14 +26,18 @@ from typing import Any
 import xxhash
 
 FORMAT = "elastic-train-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: `timeline` and `parent`
+READABLE = (1, 2)  # a version-1 manifest reads as timeline "" (unknown), parent ""
 MANIFEST = "manifest.json"
 LATEST = "latest"
-STEP_DIR = re.compile(r"^step-(\d{8})$")
+STEP_DIR = re.compile(r"^step-(\d{8})(?:-v([2-9]|[1-9]\d+))?$")
+ASIDE_DIR = re.compile(r"^(step-\d{8}(?:-v\d+)?)\.(corrupt|abandoned)-(.+)$")
+CORRUPT = "corrupt"  # failed verification when a run fell back to an older checkpoint
+ABANDONED = "abandoned"  # newer than the checkpoint a run resumed from: a future that run discarded
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
+def step_dir_name(step: int, version: int = 1) -> str:
+    return f"step-{step:08d}" if version == 1 else f"step-{step:08d}-v{version}"
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -37,6 +47,18 @@ def shard_name(rank: int, world_size: int) -> str:
 def step_of(path: Path) -> int | None:
     match = STEP_DIR.match(path.name)
     return int(match.group(1)) if match else None
+
+
+def checkpoint_key(path: Path) -> tuple[int, int] | None:
+    """``(step, version)`` of a step folder's name, the order of "newer"; None for other names."""
+    match = STEP_DIR.match(path.name)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2) or 1)
+
+
+def _key(path: Path) -> tuple[int, int]:
+    return checkpoint_key(path) or (-1, 0)
 
 
 class CheckpointInvalid(Exception):
@@ -70,9 +92,20 @@ class Manifest:
     format: str = FORMAT
     version: int = VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # The line of training this state lies on: minted by a fresh start, inherited on resume,
+    # minted again when a run resumes from a checkpoint older than the directory's newest
+    # (a fork). Two checkpoints of one step are the same only on the same timeline.
+    timeline: str = ""
+    parent: str = ""  # the checkpoint folder the writing run resumed from ("" for a fresh start)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @property
+    def position(self) -> tuple[int, int, int, bool]:
+        """Where training stood: two checkpoints of one timeline at the same position hold the same
+        state; the same step at another position (e.g. the evaluated epoch end) is a new state."""
+        return self.step, self.epoch, self.batch_in_epoch, self.finished
 
     @classmethod
     def from_json(cls, text: str, source: Path) -> Manifest:
@@ -82,8 +115,10 @@ class Manifest:
             raise CheckpointInvalid(f"{source}: not valid JSON ({exc})") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise CheckpointInvalid(f"{source}: not an elastic-train manifest")
-        if raw.get("version") != VERSION:
-            raise CheckpointInvalid(f"{source}: format version {raw.get('version')} (this build reads {VERSION})")
+        if raw.get("version") not in READABLE:
+            raise CheckpointInvalid(
+                f"{source}: format version {raw.get('version')} (this build reads {', '.join(map(str, READABLE))})"
+            )
         try:
             raw["files"] = {name: FileEntry(**entry) for name, entry in raw["files"].items()}
             return cls(**raw)
@@ -148,11 +183,29 @@ def verify(folder: Path, sha256: bool = False) -> Manifest:
 
 
 def step_folders(root: Path) -> list[Path]:
-    """``step-*`` folders under ``root``, newest first (committed or not)."""
+    """Step folders (``step-N`` and its versions ``step-N-vK``) under ``root``, newest
+    ``(step, version)`` first, committed or not. Folders set aside are not among them."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None]
-    return sorted(found, key=lambda p: step_of(p) or 0, reverse=True)
+    return sorted(found, key=_key, reverse=True)
+
+
+def versions_of(root: Path, step: int) -> list[Path]:
+    """The folders of one step, oldest version first."""
+    return sorted((f for f in step_folders(root) if step_of(f) == step), key=_key)
+
+
+def aside_folders(root: Path) -> list[Path]:
+    """Folders set aside (``<step folder>.corrupt-<time>``, ``.abandoned-<time>``), by name."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and ASIDE_DIR.match(p.name))
+
+
+def aside_reason(path: Path) -> str | None:
+    match = ASIDE_DIR.match(path.name)
+    return match.group(2) if match else None
 
 
 def latest_target(root: Path) -> Path | None:

@@ -1,23 +1,61 @@
-"""One run per checkpoint directory: a lock file with a heartbeat.
+"""One run per checkpoint directory: an exclusively created lock file with a heartbeat.
 
-``<checkpoint-dir>/.lock`` holds the owner (run id, host, pid) and a heartbeat refreshed every
-``HEARTBEAT_S`` by a daemon thread of the rank that manages checkpoints. Another run refuses to
-start while the lock is fresh. A crashed run cannot leave it stuck forever: a lock whose
-heartbeat is older than ``ELASTIC_TRAIN_LOCK_TTL`` seconds (default 60), or whose owner process
-on this host is gone, is taken over. The same run (same Slurm job id, or same torchrun run id)
-takes its own lock back after a restart or requeue.
+Rank 0 of a run holds ``<checkpoint-dir>/.lock`` (JSON: owner = the job id, host, pid, ttl).
 
-Filesystem locks (flock) are not used: on many cluster filesystems they are off or local to a node.
+* **Acquire.** The record is written and fsynced to a private file, then published with
+  ``link(private, ".lock")``: link() fails with EEXIST when ``.lock`` exists, so of any number
+  of racing starters exactly one wins, and no reader ever sees a half-written lock. Where hard
+  links are refused (some FUSE and object-store mounts), ``open(".lock", O_CREAT | O_EXCL)`` is
+  the fallback; a reader may then see it empty for an instant, and an unreadable lock counts as
+  held (never as stale) until its heartbeat is older than the TTL.
+* **Heartbeat.** A daemon thread of the holder touches the file every ``HEARTBEAT_S`` through
+  its open descriptor (futimens; on NFS the server's clock sets the time). Staleness is the
+  file's mtime, never its content, so a heartbeat is never read torn.
+* **Stale.** A lock is stale once its mtime is older than the holder's TTL, or when its holder is
+  a process of this host that no longer exists. The same job (same Slurm job id or torchrun run
+  id) always takes its own lock back after a restart or requeue.
+* **Takeover.** Whatever removes a ``.lock`` (a takeover, a release) first creates
+  ``.lock.takeover`` exclusively, a mutex held for milliseconds: removals are serialised, while
+  a publisher can only fill an empty slot. Under it the contender checks that ``.lock`` is
+  still the very file it judged stale (inode and mtime: the holder did not beat meanwhile),
+  renames it to a unique name and removes it; then it publishes its own as above. A mutex
+  older than ``MUTEX_STALE_S`` (its contender died within those milliseconds) is cleared the
+  same rename-and-check way. Without the mutex, two contenders that both judged the old lock
+  stale could each rename away what the other had just published.
+* **Fencing.** The holder checks at every heartbeat and before every manifest commit
+  (``lost``) that ``.lock`` is still its own inode: a run whose lock was taken over (it was
+  silent for longer than its TTL) logs ``checkpoint_lock_lost`` and stops committing.
+
+NFS and cluster filesystems: link(), rename() and O_EXCL creation are atomic on the server for
+NFSv3 and v4 (O_EXCL was not on NFSv2; link always was), and on Lustre, GPFS and CephFS.
+flock/fcntl locks are not used: on many cluster filesystems they are disabled or local to one
+client (Lustre without ``-o flock``, NFS without lockd), and the lock of a frozen holder would
+never expire. NFS attribute caching (``actimeo``, up to 60 s by default) can show a reader an
+older mtime, and host clocks must agree (NTP): the TTL's margin covers both.
+
+TTL (``lock_ttl``): ``--hang-timeout + 180 s`` (900 s with the watchdog off), unless
+``ELASTIC_TRAIN_LOCK_TTL`` (seconds) is set. Why: the heartbeat thread keeps beating while the
+main thread waits in a collective, saves or evaluates; it stops only when the whole process
+stops (SIGSTOP, a frozen node) or dies. A frozen holder's peers exit after ``--hang-timeout``
+(their watchdog), the launcher restarts the group (up to its 30 s stop grace, then the
+rendezvous), and the new rank 0, starting in about a minute on a cold node, takes its own job's
+lock back; the last 60 s cover attribute caching and clock skew. So a job that is alive and
+recovering keeps its directory, and one that is gone frees it after at most the TTL (at once on
+the same host). The holder writes its TTL into the lock; other runs judge it by that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import random
 import socket
 import threading
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +67,35 @@ log = structlog.get_logger(__name__)
 
 LOCK_NAME = ".lock"
 HEARTBEAT_S = 10.0
-DEFAULT_TTL_S = 60.0
+TTL_VAR = "ELASTIC_TRAIN_LOCK_TTL"
+TTL_MARGIN_S = 180.0  # restart of a frozen holder's job after its watchdog fired, NFS caching, clocks
+NO_WATCHDOG_TTL_S = 900.0  # --hang-timeout 0: nothing bounds a freeze; 15 minutes
+MUTEX_NAME = ".lock.takeover"
+MUTEX_STALE_S = 30.0  # the mutex is held for milliseconds; older means its contender died
+ACQUIRE_TIMEOUT_S = 10.0  # contenders that keep taking turns give up after this
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS}
 
 
-def lock_ttl() -> float:
-    return float(os.environ.get("ELASTIC_TRAIN_LOCK_TTL", DEFAULT_TTL_S))
+def ttl_override() -> float | None:
+    """``ELASTIC_TRAIN_LOCK_TTL`` in seconds, if set."""
+    raw = os.environ.get(TTL_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = -1.0
+    if not ttl > 0:
+        raise UsageError(f"{TTL_VAR}={raw!r} is not a positive number of seconds", f"unset {TTL_VAR}, or set e.g. 600")
+    return ttl
+
+
+def lock_ttl(hang_timeout: float) -> float:
+    """Seconds without a heartbeat after which our lock is stale (see the module docstring)."""
+    override = ttl_override()
+    if override is not None:
+        return override
+    return hang_timeout + TTL_MARGIN_S if hang_timeout > 0 else NO_WATCHDOG_TTL_S
 
 
 def _pid_alive(pid: int) -> bool:
@@ -46,83 +108,228 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Holder:
+    """The lock as found: its record ({} if unreadable), identity and heartbeat age."""
+
+    record: dict[str, Any]
+    inode: int
+    mtime_ns: int
+    age: float
+
+
 class CheckpointLock:
-    def __init__(self, root: Path, owner: str) -> None:
+    def __init__(self, root: Path, owner: str, ttl_s: float) -> None:
         self.path = root / LOCK_NAME
         self.owner = owner
+        self.ttl = ttl_s  # written into the lock: others judge our heartbeat by it
         self.host = socket.gethostname()
+        self._fd: int | None = None
+        self._inode = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lost_logged = False
 
-    def _record(self) -> dict[str, Any]:
-        return {"owner": self.owner, "host": self.host, "pid": os.getpid(), "heartbeat": time.time()}
+    # ------------------------------------------------------------------ reading
+    def _record(self) -> bytes:
+        record = {"owner": self.owner, "host": self.host, "pid": os.getpid(), "ttl": self.ttl, "since": time.time()}
+        return json.dumps(record).encode()
 
-    def _write(self) -> None:
-        tmp = self.path.with_name(f"{LOCK_NAME}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self._record()))
-        os.replace(tmp, self.path)
-
-    def _read(self) -> dict[str, Any] | None:
+    def inspect(self) -> Holder | None:
+        """The current lock, or None if there is none."""
         try:
-            data = json.loads(self.path.read_text())
+            st = os.stat(self.path)
+            text = self.path.read_text()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
-            return {}  # unreadable: treat as stale
-        return data if isinstance(data, dict) else {}
+        try:
+            record = json.loads(text)
+        except ValueError:
+            record = {}  # being written (O_EXCL fallback) or damaged: judged by its age alone
+        return Holder(record if isinstance(record, dict) else {}, st.st_ino, st.st_mtime_ns, time.time() - st.st_mtime)
 
-    def holder_blocks_us(self, held: dict[str, Any]) -> str | None:
-        """Why ``held`` (the current lock content) forbids us to start, or None."""
-        if not held or held.get("owner") == self.owner:
+    def blocks_us(self, held: Holder) -> str | None:
+        """Why ``held`` forbids us to take the directory, or None (ours, stale, or dead)."""
+        record = held.record
+        if record.get("owner") == self.owner:
             return None
-        age = time.time() - float(held.get("heartbeat", 0))
-        if age > lock_ttl():
+        ttl = ttl_override() or float(record.get("ttl") or self.ttl)
+        if held.age > ttl:
             return None
-        if held.get("host") == self.host and not _pid_alive(int(held.get("pid", -1))):
+        if record.get("host") == self.host and not _pid_alive(int(record.get("pid", -1))):
             return None
+        who = f"run {record.get('owner')!r} (host {record.get('host')}, pid {record.get('pid')})" if record else "a run"
         return (
-            f"checkpoint directory {self.path.parent} is in use by run {held.get('owner')!r} "
-            f"(host {held.get('host')}, pid {held.get('pid')}, heartbeat {age:.0f}s ago)"
+            f"checkpoint directory {self.path.parent} is in use by {who}, heartbeat {held.age:.0f}s ago "
+            f"(stale after {ttl:.0f}s)"
         )
 
+    # ------------------------------------------------------------------ acquire
     def acquire(self) -> None:
+        """Take the lock or raise ``UsageError`` naming the holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        held = self._read()
-        if held is not None:
-            reason = self.holder_blocks_us(held)
+        deadline = time.monotonic() + ACQUIRE_TIMEOUT_S
+        while True:
+            if self._publish():
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._beat, name="ckpt-lock", daemon=True)
+                self._thread.start()
+                return
+            held = self.inspect()
+            if held is None:
+                continue  # released between our attempt and our look: try again
+            reason = self.blocks_us(held)
             if reason:
                 raise UsageError(
                     reason,
-                    f"use another --checkpoint-dir, stop that run, or, if it crashed, wait {lock_ttl():.0f}s "
-                    "for its lock to expire (ELASTIC_TRAIN_LOCK_TTL)",
+                    "use another --checkpoint-dir, stop that run, or, if it crashed on another host, wait "
+                    f"for its lock to expire ({TTL_VAR} overrides the TTL)",
                 )
-            if held.get("owner") not in (None, self.owner):
-                log.warning("checkpoint_lock_taken_over", previous=held)
-        self._write()
-        # Two starters racing: the later rename wins; the loser sees someone else's record.
-        time.sleep(0.05)
-        now = self._read() or {}
-        if now.get("owner") != self.owner or now.get("pid") != os.getpid():
-            raise UsageError(
-                f"checkpoint directory {self.path.parent} was just claimed by run {now.get('owner')!r}",
-                "use another --checkpoint-dir",
-            )
-        self._thread = threading.Thread(target=self._beat, name="ckpt-lock", daemon=True)
-        self._thread.start()
+            if self._take_over(held):
+                if held.record.get("owner") != self.owner:
+                    log.warning("checkpoint_lock_taken_over", previous=held.record, heartbeat_age_s=round(held.age, 1))
+                continue
+            if time.monotonic() > deadline:
+                raise UsageError(
+                    f"checkpoint directory {self.path.parent}: could not take its stale lock within "
+                    f"{ACQUIRE_TIMEOUT_S:.0f}s (other runs are starting on it, or {MUTEX_NAME} cannot be created)",
+                    "start one run per --checkpoint-dir",
+                )
+            time.sleep(0.01 + 0.05 * random.random())  # another contender holds the mutex: its turn
+
+    def _publish(self) -> bool:
+        """Create ``.lock`` exclusively with our record; False if it exists."""
+        private = self.path.with_name(f"{LOCK_NAME}.{self.host}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        fd = os.open(private, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+        linked = False
+        try:
+            os.write(fd, self._record())
+            os.fsync(fd)
+            try:
+                os.link(private, self.path)
+                linked = True
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if exc.errno not in _NO_LINKS:
+                    raise
+        finally:
+            if not linked:
+                os.close(fd)
+            private.unlink(missing_ok=True)
+        if not linked:
+            return self._publish_exclusive()
+        self._hold(fd)
+        return True
+
+    def _publish_exclusive(self) -> bool:
+        """Fallback without hard links: O_CREAT | O_EXCL on ``.lock`` itself."""
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            return False
+        os.write(fd, self._record())
+        os.fsync(fd)
+        self._hold(fd)
+        return True
+
+    def _hold(self, fd: int) -> None:
+        self._fd, self._inode, self._lost_logged = fd, os.fstat(fd).st_ino, False
+
+    def _take_over(self, judged: Holder) -> bool:
+        """Remove the lock we judged stale, unless it changed since we looked. True if removed."""
+        if not self._lock_mutex():
+            return False
+        try:
+            now = self.inspect()
+            if now is None or (now.inode, now.mtime_ns) != (judged.inode, judged.mtime_ns):
+                return False  # its holder beat, or it was replaced: judge again
+            return _remove_if(self.path, judged.inode, judged.mtime_ns)
+        finally:
+            self._unlock_mutex()
+
+    def _lock_mutex(self) -> bool:
+        """Create ``.lock.takeover`` exclusively (clearing a stale one); False if it is held."""
+        mutex = self.path.with_name(MUTEX_NAME)
+        try:
+            fd = os.open(mutex, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(mutex)
+                if time.time() - st.st_mtime > MUTEX_STALE_S:
+                    log.warning("checkpoint_lock_mutex_cleared", path=str(mutex))
+                    _remove_if(mutex, st.st_ino, st.st_mtime_ns)
+            return False
+        os.write(fd, f"{self.host} {os.getpid()}\n".encode())
+        os.close(fd)
+        return True
+
+    def _unlock_mutex(self) -> None:
+        self.path.with_name(MUTEX_NAME).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ holding
+    def lost(self) -> bool:
+        """True if we took the lock and ``.lock`` is no longer ours (taken over, or removed)."""
+        if self._fd is None:
+            return False
+        try:
+            return os.stat(self.path).st_ino != self._inode
+        except FileNotFoundError:
+            return True
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self._write()
+                if self.lost():
+                    if not self._lost_logged:
+                        self._lost_logged = True
+                        log.error(
+                            "checkpoint_lock_lost",
+                            path=str(self.path),
+                            detail="another run took the directory over; this run no longer commits checkpoints",
+                        )
+                    continue
+                assert self._fd is not None
+                os.utime(self._fd)
             except OSError as exc:
                 log.error("checkpoint_lock_heartbeat_failed", error=repr(exc))
 
     def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still ours."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            held = self._read() or {}
-            if held.get("owner") == self.owner and held.get("pid") == os.getpid():
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        os.close(fd)
+        deadline = time.monotonic() + 2.0
+        while not (mutex := self._lock_mutex()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(self.path)
+                if st.st_ino == self._inode:  # else another run holds it now: not ours to remove
+                    _remove_if(self.path, st.st_ino, st.st_mtime_ns)
+        finally:
+            if mutex:
+                self._unlock_mutex()
+
+
+def _remove_if(path: Path, inode: int, mtime_ns: int) -> bool:
+    """Remove ``path`` if it is still that file: rename it to a unique name, check, unlink (or
+    link it back if it changed in between). True if removed."""
+    aside = path.with_name(f"{path.name}.stale-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    st = os.stat(aside)
+    if (st.st_ino, st.st_mtime_ns) != (inode, mtime_ns):
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, path)
+        aside.unlink(missing_ok=True)
+        return False
+    aside.unlink(missing_ok=True)
+    return True

@@ -1,6 +1,12 @@
-"""Saving and resuming: the commit protocol, async writes, fallback on load.
+"""Saving and resuming: the commit protocol, async writes, fallback on load, timelines.
 
-Save (``save``, main thread, at a step boundary):
+Save (``save``, main thread, at a step boundary, called by every rank):
+  0. rank 0 decides where the save goes and broadcasts it (``SaveTarget``): nowhere if this very
+     state (same step, epoch, batch, finished flag) is already committed on this run's
+     timeline; a new version of the step folder (``step-N-v2``) if this step was committed in
+     another state (the evaluated epoch end after a mid-epoch preemption save), never touching
+     the committed one; a committed folder of another timeline, or one whose manifest is
+     unreadable, is moved aside first (renamed, never deleted);
   1. every rank copies the tensors it owns (``assign_shards``) plus its per-rank state to reused
      CPU buffers, in the writer thread, while the next step's forward and backward run; the
      trainer calls ``wait_staged`` before anything changes that state (the optimizer step);
@@ -13,7 +19,12 @@ Save (``save``, main thread, at a step boundary):
 
 Load (``resume``): rank 0 picks ``latest`` or the newest older valid checkpoint (verifying
 manifest, sizes and checksums), every rank then reads and re-verifies the files it loads.
-Nothing is unpickled: safetensors and JSON only.
+Nothing is unpickled: safetensors and JSON only. Once every rank has loaded it, rank 0 moves
+aside the checkpoints that fallback skipped as corrupt (``.corrupt-<time>``), so those steps can
+be written again, and settles the timeline: the loaded checkpoint's, or a new one when newer
+committed checkpoints exist (``--resume PATH`` to an older step): that abandoned future is moved
+aside (``.abandoned-<time>``) so that neither a later ``--resume auto`` nor a save of the same
+step can mistake it for this run's.
 """
 
 from __future__ import annotations
@@ -22,10 +33,11 @@ import errno
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import safetensors
 import structlog
@@ -34,21 +46,33 @@ import torch.distributed as dist
 
 from elastic_train import __version__
 from elastic_train.checkpoint.format import (
+    ABANDONED,
+    CORRUPT,
     MANIFEST,
     CheckpointInvalid,
     FileEntry,
     Manifest,
+    checkpoint_key,
     latest_target,
     read_manifest,
     shard_name,
     step_dir_name,
     step_folders,
     verify,
+    versions_of,
 )
-from elastic_train.checkpoint.lock import CheckpointLock
+from elastic_train.checkpoint.lock import CheckpointLock, lock_ttl
 from elastic_train.checkpoint.state import assign_shards, nbytes, rank_key
-from elastic_train.checkpoint.storage import Purger, point_latest, write_atomic
+from elastic_train.checkpoint.storage import (
+    Purger,
+    committed,
+    move_aside,
+    point_latest,
+    repair_latest,
+    write_atomic,
+)
 from elastic_train.checkpoint.tensor_io import read_shards, write_shard
+from elastic_train.config import DATA_KEY
 from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import UsageError
 from elastic_train.faults import FaultInjector
@@ -64,6 +88,7 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: str = "auto"  # auto | never | PATH
     async_save: bool = True
+    hang_timeout: float = 300.0  # the run's --hang-timeout: the directory lock's TTL is derived from it
 
 
 @dataclass
@@ -102,6 +127,28 @@ class Loaded:
     tensors: dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class SaveTarget:
+    """Rank 0's answer to "where does this save go?", broadcast to every rank."""
+
+    action: Literal["write", "committed", "failed"]
+    folder: str = ""  # write: the step folder to write into; committed: the one that holds it
+    error: str = ""  # failed: why
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The checkpoint a run continues from, and the committed folders fallback found invalid."""
+
+    folder: Path | None
+    manifest: Manifest | None = None
+    invalid: tuple[Path, ...] = ()
+
+
+def new_timeline() -> str:
+    return uuid.uuid4().hex[:16]
+
+
 def should_manage_checkpoints(env: DistEnv) -> bool:
     """Rank 0 writes manifests, moves ``latest``, purges old checkpoints and holds the lock."""
     return env.is_main
@@ -125,10 +172,10 @@ class Checkpointer:
         self.faults = faults
         self.fingerprint = fingerprint
         self.group = group  # gloo group for the object collectives (None: the default group)
-        self.lock = CheckpointLock(cfg.root, owner=env.job_id)
+        self.lock = CheckpointLock(cfg.root, owner=env.job_id, ttl_s=lock_ttl(cfg.hang_timeout))
         self.purger = Purger()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
-        self._pending: tuple[Snapshot, Future[ShardResult]] | None = None
+        self._pending: tuple[Snapshot, Path, Future[ShardResult]] | None = None
         # CPU copies for async saves, reused from save to save (a save starts only after the
         # previous one committed): no fresh allocation, no page faults, pinned for CUDA.
         self._staging: dict[str, torch.Tensor] = {}
@@ -136,6 +183,10 @@ class Checkpointer:
         self._copy_stream: Any = None  # a CUDA stream for device-to-host staging copies
         self._last_save_time = time.monotonic()
         self.last_committed_step: int | None = None
+        # Which line of training this run extends (rank 0's value counts; ``resume`` shares it).
+        self.timeline = new_timeline()
+        self.parent: Path | None = None  # the checkpoint this run resumed from
+        self._selection: Selection | None = None  # rank 0, between choosing and settling
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -171,35 +222,105 @@ class Checkpointer:
         return self._pending is not None
 
     def local_done(self) -> bool:
-        return self._pending is None or self._pending[1].done()
+        return self._pending is None or self._pending[2].done()
 
     # ------------------------------------------------------------------ save
     def save(self, snap: Snapshot, sync: bool) -> bool | None:
-        """Start a save (waiting for the previous one first). Collective when ``sync``.
+        """Start a save (committing the previous one first). Collective: every rank calls it at
+        the same step boundary; rank 0 decides where it goes (``SaveTarget``).
 
-        Returns the commit outcome for a synchronous save, None for an asynchronous one.
+        Returns the commit outcome for a synchronous save (True also when this state was
+        already committed on this timeline), None for an asynchronous one.
         """
         if self._pending is not None:
             self.commit_pending()
         self.wait_staged()
         self._last_save_time = time.monotonic()
-        folder = self.cfg.root / step_dir_name(snap.step)
-        if (folder / MANIFEST).exists():
-            # Never rewrite a committed checkpoint (e.g. one from a timeline after a --resume PATH).
-            log.warning("checkpoint_exists", step=snap.step, path=str(folder), detail="not overwritten")
+        target = self._agree_target(snap)
+        if target.action == "committed":
+            log.info("checkpoint_exists", step=snap.step, path=target.folder, detail="this state is already committed")
+            self.last_committed_step = snap.step
             return True if sync else None
+        if target.action == "failed":
+            log.error("checkpoint_failed", step=snap.step, rank=self.env.rank, error=target.error)
+            return False if sync else None
+        folder = self.cfg.root / target.folder
         if sync:
-            future = self._pool.submit(self._write_shard, snap.step, self._select(snap, copy=False))
+            future = self._pool.submit(self._write_shard, folder, snap.step, self._select(snap, copy=False))
         else:
             self._staged = threading.Event()
             ready = None
             if any(t.is_cuda for t in snap.replicated.values()):
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record()  # the copies must see the state as of now, after queued compute
-            future = self._pool.submit(self._stage_and_write, snap, self._staged, ready)
-        self._pending = (snap, future)
-        log.info("checkpoint_started", step=snap.step, sync=sync)
+            future = self._pool.submit(self._stage_and_write, snap, folder, self._staged, ready)
+        self._pending = (snap, folder, future)
+        log.info("checkpoint_started", step=snap.step, sync=sync, path=str(folder))
         return self.commit_pending() if sync else None
+
+    def _agree_target(self, snap: Snapshot) -> SaveTarget:
+        """Collective: rank 0 looks at the step's folders and decides; every rank follows."""
+        target = SaveTarget("failed", error="no decision")
+        if should_manage_checkpoints(self.env):
+            try:
+                target = self._target(snap)
+            except OSError as exc:
+                target = SaveTarget("failed", error=f"cannot inspect {self.cfg.root}: {exc!r}")
+        box: list[SaveTarget] = [target]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _target(self, snap: Snapshot) -> SaveTarget:
+        """Rank 0: where ``snap`` goes. Never a committed folder: a committed checkpoint is only
+        ever replaced by a newer one, and a folder of another timeline is moved, not reused."""
+        root = self.cfg.root
+        for folder in reversed(versions_of(root, snap.step)):  # newest version first
+            if not committed(folder):
+                continue
+            try:
+                manifest = read_manifest(folder)
+            except CheckpointInvalid as exc:
+                log.error("checkpoint_invalid", path=str(folder), error=str(exc))
+                self._set_aside(folder, CORRUPT)
+                continue
+            if not self._ours(folder, manifest):
+                log.warning(
+                    "checkpoint_other_timeline",
+                    path=str(folder),
+                    theirs=manifest.timeline,
+                    ours=self.timeline,
+                    detail="a checkpoint this run does not descend from holds the step it is saving",
+                )
+                self._set_aside(folder, ABANDONED)
+                continue
+            if manifest.position == (snap.step, snap.epoch, snap.batch_in_epoch, snap.finished):
+                return SaveTarget("committed", folder=str(folder))
+            break  # ours, in another state of this step: the new state goes to a newer version
+        versions = versions_of(root, snap.step)
+        if versions and not committed(versions[-1]):
+            return SaveTarget("write", folder=versions[-1].name)  # remains of a failed attempt: reused
+        newest = checkpoint_key(versions[-1]) if versions else None
+        return SaveTarget("write", folder=step_dir_name(snap.step, newest[1] + 1 if newest else 1))
+
+    def _ours(self, folder: Path, manifest: Manifest) -> bool:
+        """Does this run descend from ``folder``'s state? Its timeline, or the checkpoint it
+        resumed from (or an older version of that step: a fork keeps its parent's timeline id)."""
+        if manifest.timeline and manifest.timeline == self.timeline:
+            return True
+        parent = self.parent
+        if parent is None or parent.parent.resolve() != folder.parent.resolve():
+            return False
+        mine, theirs = checkpoint_key(parent), checkpoint_key(folder)
+        return mine is not None and theirs is not None and theirs <= mine
+
+    def _set_aside(self, folder: Path, reason: str) -> None:
+        """Rank 0: rename ``folder`` out of the way (never delete). A failure is logged: the
+        folder then stays and the next save of that step is written beside it."""
+        try:
+            move_aside(folder, reason)
+            repair_latest(self.cfg.root, self.parent)
+        except OSError as exc:
+            log.error("checkpoint_move_aside_failed", path=str(folder), reason=reason, error=repr(exc))
 
     def wait_staged(self) -> None:
         """Block until the running async save has copied its tensors. Call before the optimizer
@@ -208,7 +329,7 @@ class Checkpointer:
             self._staged.wait()
             self._staged = None
 
-    def _stage_and_write(self, snap: Snapshot, staged: threading.Event, ready: Any) -> ShardResult:
+    def _stage_and_write(self, snap: Snapshot, folder: Path, staged: threading.Event, ready: Any) -> ShardResult:
         try:
             if ready is not None:
                 if self._copy_stream is None:
@@ -223,7 +344,7 @@ class Checkpointer:
             return ShardResult(self.env.rank, error=f"staging failed: {type(exc).__name__}: {exc}")
         finally:
             staged.set()
-        return self._write_shard(snap.step, mine)
+        return self._write_shard(folder, snap.step, mine)
 
     def _select(self, snap: Snapshot, copy: bool) -> dict[str, torch.Tensor]:
         """This rank's tensors on the CPU. An async save copies them now (training changes the
@@ -245,12 +366,11 @@ class Checkpointer:
         buf.copy_(value, non_blocking=value.is_cuda)
         return buf
 
-    def _write_shard(self, step: int, tensors: dict[str, torch.Tensor]) -> ShardResult:
+    def _write_shard(self, folder: Path, step: int, tensors: dict[str, torch.Tensor]) -> ShardResult:
         """Background thread: serialise, write, fsync, rename. Never a collective."""
         rank = self.env.rank
         name = shard_name(rank, self.env.world_size)
         try:
-            folder = self.cfg.root / step_dir_name(step)
             folder.mkdir(parents=True, exist_ok=True)
             if self.faults.fires("kill_in_save", step, stage="before_shard"):
                 os.kill(os.getpid(), 9)
@@ -270,7 +390,7 @@ class Checkpointer:
     def commit_pending(self) -> bool:
         """Collective: wait for this rank's shard, share results, rank 0 commits. True if committed."""
         assert self._pending is not None
-        snap, future = self._pending
+        snap, folder, future = self._pending
         self._pending = None
         result = future.result()
         results: list[ShardResult | None] = [None] * self.env.world_size
@@ -278,7 +398,7 @@ class Checkpointer:
         failures = [r for r in results if r is None or r.error]
         ok = not failures
         if ok and should_manage_checkpoints(self.env):
-            ok = self._write_manifest(snap, [r for r in results if r is not None])
+            ok = self._write_manifest(snap, folder, [r for r in results if r is not None])
         elif failures:
             for r in failures:
                 log.error(
@@ -291,7 +411,7 @@ class Checkpointer:
         committed = self._agree(ok)
         if committed:
             self.last_committed_step = snap.step
-            log.info("checkpoint_committed", step=snap.step, path=str(self.cfg.root / step_dir_name(snap.step)))
+            log.info("checkpoint_committed", step=snap.step, path=str(folder))
         return committed
 
     def _agree(self, ok: bool) -> bool:
@@ -300,8 +420,20 @@ class Checkpointer:
         dist.broadcast(flag, src=0, group=self.group)
         return bool(flag.item())
 
-    def _write_manifest(self, snap: Snapshot, results: list[ShardResult]) -> bool:
-        folder = self.cfg.root / step_dir_name(snap.step)
+    def _write_manifest(self, snap: Snapshot, folder: Path, results: list[ShardResult]) -> bool:
+        if self.lock.lost():
+            log.error(
+                "checkpoint_failed",
+                step=snap.step,
+                rank=self.env.rank,
+                error=f"the lock {self.lock.path} was taken over by another run",
+                detail="not committed: this run no longer owns the checkpoint directory",
+            )
+            return False
+        parent = ""
+        if self.parent is not None:
+            in_root = self.parent.parent.resolve() == self.cfg.root.resolve()
+            parent = self.parent.name if in_root else str(self.parent.resolve())
         manifest = Manifest(
             step=snap.step,
             epoch=snap.epoch,
@@ -316,6 +448,8 @@ class Checkpointer:
             run_id=self.env.run_id,
             created=time.time(),
             finished=snap.finished,
+            timeline=self.timeline,
+            parent=parent,
         )
         try:
             write_atomic(folder / MANIFEST, manifest.to_json().encode())
@@ -340,13 +474,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load
     def resume(self) -> Loaded | None:
-        """Collective: the checkpoint to continue from, or None to start fresh."""
+        """Collective: the checkpoint to continue from, or None to start fresh. Also settles
+        this run's timeline (see the module docstring); nothing on disk changes unless every
+        rank loaded the checkpoint."""
         choice: str | None = None
         error: str | None = None
         if should_manage_checkpoints(self.env):
             try:
-                chosen = self._choose()
-                choice = None if chosen is None else str(chosen)
+                self._selection = choose_checkpoint(self.cfg, self.fingerprint)
+                choice = None if self._selection.folder is None else str(self._selection.folder)
             except UsageError as exc:
                 error = str(exc)
         box: list[str | None] = [error, choice]
@@ -354,6 +490,7 @@ class Checkpointer:
         if box[0] is not None:
             raise UsageError(box[0])
         if box[1] is None:
+            self._agree_timeline()
             return None
         folder = Path(box[1])
         try:
@@ -368,16 +505,66 @@ class Checkpointer:
             raise UsageError(
                 f"checkpoint {folder} could not be loaded: {first}", "check the storage, or use --resume never"
             )
+        self.parent = folder
+        self.last_committed_step = loaded.manifest.step
+        self._agree_timeline()
         return loaded
 
-    def _choose(self) -> Path | None:
-        return select_checkpoint(self.cfg, self.fingerprint)
+    def _agree_timeline(self) -> None:
+        """Collective: rank 0 settles the directory and the timeline; every rank takes it."""
+        timeline = ""
+        if should_manage_checkpoints(self.env):
+            selection, self._selection = self._selection or Selection(None), None
+            timeline = self._settle(selection)
+        box = [timeline]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        self.timeline = box[0]
+
+    def _settle(self, selection: Selection) -> str:
+        """Rank 0, after every rank loaded ``selection``: move aside what fallback found corrupt
+        and any committed future newer than the loaded checkpoint; return this run's timeline."""
+        chosen, manifest = selection.folder, selection.manifest
+        if chosen is None or manifest is None:
+            return new_timeline()  # a fresh start: the directory holds no committed checkpoint
+        for bad in selection.invalid:
+            self._set_aside(bad, CORRUPT)
+        root = self.cfg.root
+        in_root = chosen.parent.resolve() == root.resolve()
+        key = checkpoint_key(chosen) or (manifest.step, 1)
+        # From another directory (--resume OTHER/step-N) every step >= N here is another future.
+        newer = [f for f in step_folders(root) if committed(f) and (checkpoint_key(f) or key) > key]
+        if not in_root:
+            newer += [f for f in step_folders(root) if committed(f) and checkpoint_key(f) == key]
+        timeline = manifest.timeline or new_timeline()  # a version-1 manifest has none
+        if newer:
+            timeline = new_timeline()
+            log.warning(
+                "checkpoint_timeline_forked",
+                resumed=str(chosen),
+                abandoned=[f.name for f in newer],
+                timeline=timeline,
+                previous=manifest.timeline,
+                detail="newer checkpoints of the abandoned future are moved aside, never deleted",
+            )
+            for folder in newer:
+                self._set_aside(folder, ABANDONED)
+        try:
+            repair_latest(root, chosen)
+        except OSError as exc:
+            log.error("checkpoint_latest_repair_failed", error=repr(exc))
+        return timeline
 
 
 def select_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Path | None:
-    """Which checkpoint a run continues from (None: start fresh). Raises ``UsageError`` when
-    checkpoints exist but none is valid, when one is incompatible, or when ``--resume never``
-    would overwrite existing ones. Never deletes anything."""
+    """Which checkpoint a run continues from (None: start fresh); see ``choose_checkpoint``."""
+    return choose_checkpoint(cfg, fingerprint).folder
+
+
+def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Selection:
+    """Which checkpoint a run continues from, and the newer committed ones found invalid on
+    the way (``--resume auto``). Raises ``UsageError`` when checkpoints exist but none is valid,
+    when one is incompatible, or when ``--resume never`` would overwrite existing ones.
+    Changes nothing on disk."""
     mode = cfg.resume
     if mode == "never":
         done = [f for f in step_folders(cfg.root) if (f / MANIFEST).is_file()]
@@ -387,7 +574,7 @@ def select_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Pat
                 "that a fresh run would overwrite",
                 "point --checkpoint-dir at an empty folder, move the old checkpoints away, or use --resume auto",
             )
-        return None
+        return Selection(None)
     if mode != "auto":
         folder = Path(mode)
         target = latest_target(folder) or folder
@@ -396,33 +583,35 @@ def select_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Pat
         except CheckpointInvalid as exc:
             raise UsageError(f"--resume {mode}: {exc}", "pass a valid checkpoint folder, or --resume auto") from None
         check_compatible(target, manifest, fingerprint)
-        return target
+        return Selection(target, manifest)
     root = cfg.root
     latest = latest_target(root)
     problems = []
+    invalid: list[Path] = []
     if latest is not None and not latest.exists():
         problems.append(f"{root / 'latest'} points at {latest.name}, which does not exist")
         log.error("checkpoint_invalid", path=str(root / "latest"), error=problems[-1])
     # Newest first. `latest` normally names the first of these; after a crash between a
     # manifest and the `latest` move, a newer committed checkpoint exists and wins.
-    committed = [f for f in step_folders(root) if (f / MANIFEST).exists()]
-    for folder in committed:
+    done = [f for f in step_folders(root) if (f / MANIFEST).exists()]
+    for folder in done:
         try:
             manifest = verify(folder)
         except CheckpointInvalid as exc:
             problems.append(str(exc))
+            invalid.append(folder)
             log.error("checkpoint_invalid", path=str(folder), error=str(exc))
             continue
         if latest is None or folder.resolve() != latest.resolve():
             log.warning("checkpoint_fallback", chosen=str(folder), latest=str(latest), skipped=problems)
         check_compatible(folder, manifest, fingerprint)
-        return folder
-    if problems and (committed or latest is not None):
+        return Selection(folder, manifest, tuple(invalid))
+    if problems and (done or latest is not None):
         raise UsageError(
             f"{root} holds checkpoints but none is valid: {'; '.join(problems)}",
             "repair or move them away, point --checkpoint-dir elsewhere, or pass --resume never to start fresh",
         )
-    return None
+    return Selection(None)
 
 
 def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, Any]) -> None:
@@ -433,10 +622,13 @@ def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, An
         if manifest.fingerprint.get(key) != value
     ]
     if diffs:
-        raise UsageError(
-            f"checkpoint {folder} is incompatible with this run ({'; '.join(diffs)})",
-            "run with the checkpoint's settings, or use another --checkpoint-dir / --resume never",
-        )
+        hint = "run with the checkpoint's settings, or use another --checkpoint-dir / --resume never"
+        if any(d.startswith(DATA_KEY) for d in diffs):
+            hint = (
+                "resume on the dataset the checkpoint was trained on (same files, sizes and labels; "
+                "its folder may move), or start fresh with another --checkpoint-dir / --resume never"
+            )
+        raise UsageError(f"checkpoint {folder} is incompatible with this run ({'; '.join(diffs)})", hint)
 
 
 def load(folder: Path) -> Loaded:

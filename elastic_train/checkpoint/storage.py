@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,15 @@ import structlog
 import xxhash
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from elastic_train.checkpoint.format import LATEST, MANIFEST, FileEntry, read_manifest, step_folders, step_of
+from elastic_train.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    FileEntry,
+    checkpoint_key,
+    latest_target,
+    read_manifest,
+    step_folders,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -110,17 +119,49 @@ def committed(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
+def move_aside(folder: Path, reason: str) -> Path:
+    """Rename ``folder`` to ``<name>.<reason>-<UTC time>`` (never deleted: kept for a post-mortem)
+    so that its step can be written again; resume and retention no longer see it."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = folder.with_name(f"{folder.name}.{reason}-{stamp}")
+    n = 1
+    while target.exists():  # set aside twice within a second
+        n += 1
+        target = folder.with_name(f"{folder.name}.{reason}-{stamp}-{n}")
+    os.rename(folder, target)
+    fsync_dir(folder.parent)
+    log.warning("checkpoint_moved_aside", path=str(folder), to=str(target), reason=reason)
+    return target
+
+
+def repair_latest(root: Path, prefer: Path | None) -> None:
+    """After folders were set aside: if ``latest`` no longer resolves, point it at ``prefer`` (the
+    checkpoint a run resumed from), else at the newest committed folder, else remove it."""
+    target = latest_target(root)
+    if target is None or target.exists():
+        return
+    fallback = [f for f in step_folders(root) if committed(f)]
+    choice = prefer if prefer is not None and prefer.parent.resolve() == root.resolve() else None
+    choice = choice or (fallback[0] if fallback else None)
+    if choice is None:
+        (root / LATEST).unlink(missing_ok=True)
+    else:
+        point_latest(root, choice)
+    log.info("checkpoint_latest_repaired", was=target.name, now=choice.name if choice else None)
+
+
 def retention_victims(root: Path, keep_last: int, protect: set[Path]) -> list[Path]:
-    """Folders to delete: committed ones beyond the newest ``keep_last``, and incomplete ones
-    older than the newest committed checkpoint (an incomplete folder newer than that may be a
-    save in progress). ``protect`` (e.g. the ``latest`` target) is never returned."""
+    """Folders to delete: committed ones beyond the newest ``keep_last`` (each version of a step
+    counts as one), and incomplete ones older than the newest committed checkpoint (an
+    incomplete folder newer than that may be a save in progress). ``protect`` (e.g. the
+    ``latest`` target) is never returned. Folders set aside are not step folders: never touched."""
     folders = step_folders(root)
     done = [f for f in folders if committed(f)]
     if not done:
         return []
-    newest = step_of(done[0]) or 0
+    newest = checkpoint_key(done[0]) or (0, 0)
     victims = done[keep_last:]
-    victims += [f for f in folders if not committed(f) and (step_of(f) or 0) < newest]
+    victims += [f for f in folders if not committed(f) and (checkpoint_key(f) or (0, 0)) < newest]
     resolved = {p.resolve() for p in protect}
     return [v for v in victims if v.resolve() not in resolved]
 

@@ -2,10 +2,14 @@
 
 ``build_data`` is collective: rank 0 prepares the dataset on disk (extraction) while the others
 wait, as in the seed; then every rank opens it, and a failure on ANY rank makes every rank raise
-the same ``DataError`` instead of leaving its peers hanging in the first collective.
+the same ``DataError`` instead of leaving its peers hanging in the first collective. The same
+exchange hands rank 0's dataset identity (``DataBundle.identity``) to every rank.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
 
 import structlog
 import torch.distributed as dist
@@ -64,17 +68,23 @@ def build_data(cfg: TrainConfig, env: DistEnv) -> DataBundle:
     if error is not None:
         raise DataError(error)
     bundle: DataBundle | None = None
+    identity: dict[str, Any] | None = None
     try:
         bundle = load_bundle(cfg)
         _check_fits(cfg, bundle)
+        if should_prepare_dataset(env):
+            # The identity reads every file's size: one rank does it, the others adopt it.
+            identity = bundle.identity()
     except DataError as exc:
         error = f"rank {env.rank}: {exc}" if env.is_distributed else str(exc)
-    errors: list[str | None] = [None] * env.world_size
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e is not None), None)
+    reports: list[tuple[str | None, dict[str, Any] | None] | None] = [None] * env.world_size
+    dist.all_gather_object(reports, (error, identity))
+    first = next((r[0] for r in reports if r is not None and r[0] is not None), None)
     if first is not None:
         raise DataError(first)
     assert bundle is not None
+    identity = next(r[1] for r in reports if r is not None and r[1] is not None)
+    bundle = replace(bundle, known_identity=identity)
     log.info(
         "dataset_ready",
         dataset=bundle.name,
@@ -108,10 +118,11 @@ def make_loaders(
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
     )
-    per_rank = cfg.batch_size // env.world_size
+    # Evaluation batches are as large as the largest training share: memory known to fit.
+    eval_batch = sampler.per_process_batch.largest
     val = DataLoader(
         EvalView(bundle.val),
-        batch_sampler=EvalBatchSampler(len(bundle.val), per_rank, env.world_size, env.rank),
+        batch_sampler=EvalBatchSampler(len(bundle.val), eval_batch, env.world_size, env.rank),
         num_workers=workers,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,

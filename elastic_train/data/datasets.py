@@ -3,20 +3,28 @@
 Every dataset yields ``uint8`` images of shape ``[3, S, S]``; conversion to float and
 normalisation happen on the training device (cheaper to move bytes than floats). Items carry
 their dataset index so the trainer can prove which samples it trained on.
+
+``DataBundle.identity`` says which data a run trained on (sizes, classes and a fingerprint of
+each split's content); it is part of the resume fingerprint, so a checkpoint is never continued
+on a dataset whose index -> sample mapping (and so the data order) changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
+
+from elastic_train.errors import DataError
 
 Sample = tuple[torch.Tensor, int, int]  # (uint8 image [3,S,S], label, dataset index)
 
@@ -33,11 +41,19 @@ class ImageSource:
     def load(self, index: int) -> tuple[torch.Tensor, int]:
         raise NotImplementedError
 
+    def identity(self) -> str:
+        """What this source holds, as a short string that changes when its content does."""
+        raise NotImplementedError
+
 
 class TensorImages(ImageSource):
-    """Images held in memory as one ``uint8`` tensor ``[N, 3, S, S]``."""
+    """Images held in memory as one ``uint8`` tensor ``[N, 3, S, S]``.
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int) -> None:
+    ``origin`` names how they were made (generator and parameters): it is their identity, so
+    identical parameters must produce identical images.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int, origin: str) -> None:
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"expected uint8 [N,3,S,S] images, got {images.dtype} {tuple(images.shape)}")
         if images.shape[0] != labels.shape[0]:
@@ -46,6 +62,10 @@ class TensorImages(ImageSource):
         self.labels = labels
         self.num_classes = num_classes
         self.image_size = images.shape[-1]
+        self.origin = origin
+
+    def identity(self) -> str:
+        return self.origin
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -55,15 +75,41 @@ class TensorImages(ImageSource):
 
 
 class FileImages(ImageSource):
-    """Images decoded from files on demand (JPEG/PNG), resized to ``image_size`` squares."""
+    """Images decoded from files on demand (JPEG/PNG), resized to ``image_size`` squares.
 
-    def __init__(self, files: Sequence[Path], labels: Sequence[int], num_classes: int, image_size: int) -> None:
+    Every file lies under ``root``; the identity hashes the paths relative to it, so a dataset
+    copied elsewhere (e.g. to node-local scratch) keeps its identity.
+    """
+
+    def __init__(
+        self, files: Sequence[Path], labels: Sequence[int], num_classes: int, image_size: int, root: Path
+    ) -> None:
         if len(files) != len(labels):
             raise ValueError(f"{len(files)} files but {len(labels)} labels")
         self.files = list(files)
         self.labels = list(labels)
         self.num_classes = num_classes
         self.image_size = image_size
+        self.root = root
+        self._identity: str | None = None
+
+    def identity(self) -> str:
+        """sha256 of each file's (relative path, size, label), in index order.
+
+        One ``stat`` per file (seconds for 10^5 files on a parallel file system): computed once,
+        by one rank (``build_data`` shares it). Sizes catch a replaced or truncated file, not an
+        edit that keeps the size.
+        """
+        if self._identity is None:
+            digest = hashlib.sha256()
+            for path, label in zip(self.files, self.labels, strict=True):
+                try:
+                    size = path.stat().st_size
+                except OSError as exc:
+                    raise DataError(f"cannot read {path}: {exc}", "check the dataset folder") from None
+                digest.update(f"{path.relative_to(self.root)}\0{size}\0{label}\n".encode())
+            self._identity = f"{len(self.files)} files, sha256 {digest.hexdigest()[:32]}"
+        return self._identity
 
     def __len__(self) -> int:
         return len(self.files)
@@ -148,3 +194,19 @@ class DataBundle:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     augment: Augment | None = None
+    # The identity as computed by another rank (see ``build_data``): when set, ``identity``
+    # returns it instead of reading every file again.
+    known_identity: Mapping[str, Any] | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """Which data this is: JSON values that differ whenever the samples behind the indices do."""
+        if self.known_identity is not None:
+            return dict(self.known_identity)
+        return {
+            "train_samples": len(self.train),
+            "val_samples": len(self.val),
+            "classes": self.num_classes,
+            "image_size": self.image_size,
+            "train_content": self.train.identity(),
+            "val_content": self.val.identity(),
+        }

@@ -137,8 +137,8 @@ def load_tiny_imagenet(root: Path, image_size: int | None, augment_seed: int) ->
         raise DataError(f"{root / 'wnids.txt'} is empty", TINY_HINT)
     size = image_size or TINY_SIZE
     class_of = {wnid: i for i, wnid in enumerate(wnids)}
-    train = FileImages(*_tiny_train(root, wnids), num_classes=len(wnids), image_size=size)
-    val = FileImages(*_tiny_val(root, class_of), num_classes=len(wnids), image_size=size)
+    train = FileImages(*_tiny_train(root, wnids), num_classes=len(wnids), image_size=size, root=root)
+    val = FileImages(*_tiny_val(root, class_of), num_classes=len(wnids), image_size=size, root=root)
     augment = Augment(seed=augment_seed, pad=size // 8)
     return DataBundle("tiny-imagenet", train, val, len(wnids), size, IMAGENET_MEAN, IMAGENET_STD, augment)
 
@@ -177,7 +177,7 @@ def load_imagefolder(data_dir: Path, image_size: int | None, augment_seed: int) 
     size = image_size or TINY_SIZE
     classes, train_files, train_labels = _scan(data_dir / "train", None)
     _, val_files, val_labels = _scan(data_dir / "val", classes)
-    train = FileImages(train_files, train_labels, len(classes), size)
-    val = FileImages(val_files, val_labels, len(classes), size)
+    train = FileImages(train_files, train_labels, len(classes), size, root=data_dir)
+    val = FileImages(val_files, val_labels, len(classes), size, root=data_dir)
     augment = Augment(seed=augment_seed, pad=size // 8)
     return DataBundle("imagefolder", train, val, len(classes), size, IMAGENET_MEAN, IMAGENET_STD, augment)

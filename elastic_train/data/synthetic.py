@@ -48,8 +48,13 @@ def synthetic(image_size: int | None = None) -> DataBundle:
     size = image_size or SYNTHETIC_SIZE
     gen = torch.Generator().manual_seed(DATA_SEED)
     patterns = _class_patterns(SYNTHETIC_CLASSES, size, gen)
-    train = TensorImages(*_render(patterns, SYNTHETIC_TRAIN, gen), num_classes=SYNTHETIC_CLASSES)
-    val = TensorImages(*_render(patterns, SYNTHETIC_VAL, gen), num_classes=SYNTHETIC_CLASSES)
+    # Everything the images depend on (bump v1 when the generating code changes).
+    recipe = (
+        f"synthetic v1: data seed {DATA_SEED}, {SYNTHETIC_CLASSES} classes, {SYNTHETIC_TRAIN}+{SYNTHETIC_VAL} "
+        f"samples, {size}px, noise {SYNTHETIC_NOISE}, max shift {MAX_SHIFT}"
+    )
+    train = TensorImages(*_render(patterns, SYNTHETIC_TRAIN, gen), SYNTHETIC_CLASSES, origin=f"{recipe}: train")
+    val = TensorImages(*_render(patterns, SYNTHETIC_VAL, gen), SYNTHETIC_CLASSES, origin=f"{recipe}: val")
     return DataBundle("synthetic", train, val, SYNTHETIC_CLASSES, size, HALF, HALF)
 
 
@@ -70,8 +75,9 @@ def digits(image_size: int | None = None, augment_seed: int = 0) -> DataBundle:
     labels = torch.as_tensor(raw.target, dtype=torch.int64)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(DATA_SEED))
     cut = int(0.8 * len(order))
-    train = TensorImages(images[order[:cut]], labels[order[:cut]], 10)
-    val = TensorImages(images[order[cut:]], labels[order[cut:]], 10)
+    recipe = f"scikit-learn load_digits: {len(labels)} images, {size}px, 80/20 split by data seed {DATA_SEED}"
+    train = TensorImages(images[order[:cut]], labels[order[:cut]], 10, origin=f"{recipe}: train")
+    val = TensorImages(images[order[cut:]], labels[order[cut:]], 10, origin=f"{recipe}: val")
     # No flip: a mirrored digit is another symbol.
     augment = Augment(seed=augment_seed, pad=size // 8, flip=False)
     return DataBundle("digits", train, val, 10, size, (0.3, 0.3, 0.3), (0.4, 0.4, 0.4), augment)

@@ -26,6 +26,7 @@ from tenacity import (
 )
 
 from elastic_train.distributed.env import DistEnv
+from elastic_train.distributed.round import agree_round
 from elastic_train.errors import UsageError
 
 log = structlog.get_logger(__name__)
@@ -83,8 +84,19 @@ def init_attempts() -> int:
 def _init(env: DistEnv, placement: Placement, timeout: datetime.timedelta) -> None:
     device_id = placement.device if placement.is_cuda else None
     if env.launched:
-        # env:// reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set by torchrun.
-        dist.init_process_group(placement.backend, timeout=timeout, device_id=device_id)
+        # env:// reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set by torchrun. The group's keys
+        # go under a prefix this round's ranks agree on (see distributed/round.py): torchrun's
+        # default shared store keeps earlier rounds' keys, and this attempt's after a retry.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # type: ignore[attr-defined]
+        prefix = agree_round(store, rank, world_size, timeout.total_seconds())
+        dist.init_process_group(
+            placement.backend,
+            store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
     else:
         dist.init_process_group(
             placement.backend,
@@ -126,15 +138,30 @@ def process_group(env: DistEnv, placement: Placement, timeout_s: float) -> Itera
 
     On success every rank meets at a barrier first: no rank tears down its end of the group (or,
     in a plain launch, rank 0 the store) while a peer is still finishing its last collective.
-    After an exception there is no barrier: the peer we would wait for may be dead.
+    After an exception there is no barrier (the peer we would wait for may be dead) and an NCCL
+    group is aborted first: destroying it would wait for collectives that can never finish.
     """
+    clean = False
     try:
         init_process_group(env, placement, timeout_s)
         yield
         barrier(placement)
+        clean = True
     finally:
         gc.collect()  # release DDP reducers and pending work objects that still reference the group
+        if not clean:
+            abort_process_group(placement)
         destroy_process_group()
+
+
+def abort_process_group(placement: Placement) -> None:
+    """Abort every NCCL communicator of this process (no-op for gloo, whose sockets just close)."""
+    if placement.backend != "nccl" or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as exc:  # best effort on the way out: the process is ending anyway
+        log.warning("process_group_abort_failed", error=repr(exc))
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -170,18 +197,39 @@ def barrier(placement: Placement) -> None:
 
 
 class ControlPlane:
-    """Small decisions every rank must agree on at a step boundary (save now? all shards durable?).
+    """Small decisions every rank must agree on at a step boundary (stop? save now? all shards
+    durable?), as a MAX all-reduce of a few small integers.
 
-    Flags are MAX-all-reduced as CPU tensors over a gloo group: with NCCL training a separate
-    gloo group is created, so the exchange never waits for queued GPU work. Collective: every
-    rank must call ``agree`` at the same step.
+    The exchange runs on a gloo group of its own, as CPU tensors: it never waits for queued GPU
+    work and never interleaves with DDP's gradient all-reduces. ``post`` starts it without
+    waiting and ``collect`` (at the next boundary) returns its result, so the per-step agreement
+    costs the training loop nothing while the step computes; decisions take effect one step
+    later, at the same step on every rank. ``agree`` is the synchronous form. Collective: every
+    rank must call these in the same order.
     """
 
     def __init__(self, placement: Placement) -> None:
-        group = dist.new_group(backend="gloo") if placement.backend != "gloo" else None
+        group = dist.new_group(backend="gloo")
         self.group: dist.ProcessGroup | None = group if isinstance(group, dist.ProcessGroup) else None
+        self._posted: tuple[dist.Work, torch.Tensor] | None = None
 
-    def agree(self, *flags: bool) -> list[bool]:
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+    def agree(self, *values: int) -> list[int]:
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return [bool(v) for v in t.tolist()]
+        return [int(v) for v in t.tolist()]
+
+    def post(self, *values: int) -> None:
+        assert self._posted is None, "collect() the previous agreement first"
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        assert work is not None
+        self._posted = (work, t)
+
+    def collect(self) -> list[int] | None:
+        """The result of the last ``post`` (None if nothing is posted)."""
+        if self._posted is None:
+            return None
+        work, t = self._posted
+        self._posted = None
+        work.wait()
+        return [int(v) for v in t.tolist()]

@@ -1,50 +1,177 @@
-"""Preemption: SIGTERM, SIGUSR1 and SIGUSR2 ask the run to checkpoint and exit.
+"""Stop requests: signals ask the run to checkpoint at an agreed step boundary and exit.
 
-The handlers only record the request. At the next step boundary the trainer MAX-all-reduces
-the flag (so a signal that reached one rank stops all of them at the same step), every rank takes
-part in a synchronous checkpoint commit, rank 0 writes ``<checkpoint-dir>/.preempted.json``,
-and every process exits with ``EXIT_PREEMPTED`` (75, EX_TEMPFAIL: "try again later"), distinct
-from success (0), bad input (2) and a crash (1). Repeated signals are ignored: Slurm signals
-every process of a job step and torchrun forwards the agent's signals too, so a worker often
-receives each signal twice; the hard stop is the launcher's SIGKILL after its grace period.
+Two kinds, told apart by the signal:
 
-torchrun forwards SIGTERM to its workers and kills them about 30 s later: the checkpoint must be
-committed inside that grace period. torchrun itself then exits 1, whatever the workers returned,
-which is why the marker file exists: a job script learns from it that the run was preempted
-(and at which step) rather than crashed.
+* **preemption** (SIGUSR1, SIGUSR2): the scheduler is taking the allocation (Slurm's
+  ``--signal=B:USR1@120``; the job scripts relay a SIGTERM they receive as SIGUSR2). The run
+  commits a checkpoint, rank 0 writes ``<checkpoint-dir>/.preempted.json`` (the job script
+  requeues on it) and every process exits with ``EXIT_PREEMPTED`` (75).
+* **stop** (SIGTERM): the launcher stops its workers: torchrun does so before *every* restart (a
+  peer failed, a node joined or left) and when it shuts down. The run commits a checkpoint the
+  same way, but nothing is booked as a preemption: rank 0 writes ``.stopped.json`` (read by the
+  next attempt's goodput accounting) and every process exits with ``EXIT_STOPPED`` (76).
+
+The handlers only record the request. At the next step boundary the ranks agree on it (see
+``trainer.StepBoundary``), so a signal that reached one rank stops all of them at the same step.
+Repeated signals are ignored: Slurm and torchrun often deliver each signal twice.
+
+**The grace period.** A Python handler runs only when the main thread is back in the
+interpreter. A rank blocked inside a collective (a dead NCCL peer, a frozen host: its peers sit
+in an all-reduce that never returns) never runs it, and the launcher would wait its whole
+shutdown timeout for SIGKILL, on every restart. ``StopGrace`` therefore watches the signals from
+a thread (CPython's C-level handler writes each signal number to a wakeup fd at once, whatever
+the main thread is doing): a rank that has not reached an agreed stop boundary ``--stop-grace``
+seconds after the first signal logs ``stop_grace_expired`` and exits with
+``EXIT_STOP_GRACE_EXPIRED`` (77). Nothing is lost: the last committed checkpoint stays
+``latest``. Keep the grace above two step times (the boundary agreement runs one step behind)
+and well inside the launcher's shutdown timeout (torchrun: 30 s by default).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
+import threading
 import time
+from collections.abc import Callable
+from enum import IntEnum
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import structlog
+
+log = structlog.get_logger(__name__)
+
 EXIT_PREEMPTED = 75
+EXIT_STOPPED = 76
+EXIT_STOP_GRACE_EXPIRED = 77
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 MARKER = ".preempted.json"
+STOP_MARKER = ".stopped.json"
 LAUNCH_ID_VAR = "ELASTIC_TRAIN_LAUNCH_ID"
+DEFAULT_GRACE_S = 10.0
+
+
+class StopKind(IntEnum):
+    """What a rank was asked to do; ranks agree on the MAX (a preemption anywhere wins)."""
+
+    NONE = 0
+    STOP = 1
+    PREEMPT = 2
+
+    @classmethod
+    def of_signal(cls, signum: int) -> StopKind:
+        return cls.PREEMPT if signum in PREEMPT_SIGNALS else cls.STOP
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_PREEMPTED if self is StopKind.PREEMPT else EXIT_STOPPED
 
 
 class Preempted(Exception):
-    """Raised by the trainer after the preemption checkpoint; ``run`` turns it into exit 75."""
+    """Raised by the trainer after the stop checkpoint; ``run`` turns it into exit 75 or 76."""
 
-    def __init__(self, step: int, committed: bool) -> None:
-        super().__init__(f"preempted at step {step} (checkpoint {'committed' if committed else 'FAILED'})")
+    def __init__(self, step: int, committed: bool, kind: StopKind = StopKind.PREEMPT) -> None:
+        verb = "preempted" if kind is StopKind.PREEMPT else "stopped"
+        super().__init__(f"{verb} at step {step} (checkpoint {'committed' if committed else 'FAILED'})")
         self.step = step
         self.committed = committed
+        self.kind = kind
+
+
+class StopGrace:
+    """Ends the process ``grace_s`` after the first stop signal unless ``disarm`` came first.
+
+    Works while the main thread is blocked in C++ (a collective, a CUDA sync): the signal number
+    reaches a socket through ``signal.set_wakeup_fd``, written by CPython's C-level handler, and a
+    daemon thread reads it. ``exit_fn`` is ``os._exit`` (the main thread cannot be interrupted);
+    tests pass their own.
+    """
+
+    def __init__(self, grace_s: float, rank: int, exit_fn: Callable[[int], Any] = os._exit) -> None:
+        self.grace_s = grace_s
+        self.rank = rank
+        self._exit = exit_fn
+        self._disarmed = threading.Event()
+        self._closed = threading.Event()
+        self._sockets: tuple[socket.socket, socket.socket] | None = None
+        self._previous_fd = -1
+        self._thread: threading.Thread | None = None
+        self.expired = False
+
+    def install(self) -> None:
+        """From the main thread, after the Python handlers are installed."""
+        if self.grace_s <= 0:
+            return
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)  # the C handler must never block
+        self._sockets = (reader, writer)
+        self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="stop-grace", daemon=True)
+        self._thread.start()
+
+    def disarm(self) -> None:
+        """The ranks agreed on a stop boundary: the stop proceeds at its own pace."""
+        self._disarmed.set()
+
+    def uninstall(self) -> None:
+        if self._sockets is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        self._closed.set()
+        reader, writer = self._sockets
+        writer.close()
+        with contextlib.suppress(OSError):
+            reader.shutdown(socket.SHUT_RDWR)  # wakes the watcher's recv
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        reader.close()
+        self._sockets = None
+
+    def _first_signal(self) -> int | None:
+        assert self._sockets is not None
+        reader = self._sockets[0]
+        while not self._closed.is_set():
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return None
+            if not data:
+                return None
+            for signum in data:
+                if signum in SIGNALS:
+                    return signum
+        return None
+
+    def _watch(self) -> None:
+        signum = self._first_signal()
+        if signum is None or self._disarmed.wait(self.grace_s) or self._closed.is_set():
+            return
+        self.expired = True
+        log.error(
+            "stop_grace_expired",
+            rank=self.rank,
+            signal=signal.Signals(signum).name,
+            grace_s=self.grace_s,
+            exit_code=EXIT_STOP_GRACE_EXPIRED,
+            detail="no agreed step boundary in time (blocked in a collective?); the last committed checkpoint is kept",
+        )
+        self._exit(EXIT_STOP_GRACE_EXPIRED)
 
 
 class PreemptionFlag:
     """Set by a signal handler; read at step boundaries. Install from the main thread only."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace: StopGrace | None = None) -> None:
         self.signal_name: str | None = None
         self.received_at: float | None = None
+        self.kind = StopKind.NONE
+        self.grace = grace
         self._previous: dict[int, Any] = {}
 
     @property
@@ -54,27 +181,42 @@ class PreemptionFlag:
     def install(self) -> None:
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self.grace is not None:
+            self.grace.install()
 
     def uninstall(self) -> None:
+        if self.grace is not None:
+            self.grace.uninstall()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def acknowledge(self) -> None:
+        """Every rank agreed to stop at this boundary: the grace period no longer applies."""
+        if self.grace is not None:
+            self.grace.disarm()
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signal_name is None:  # only flags: no logging, no I/O inside a handler
+        # Only flags: no logging, no I/O inside a handler. A preemption outranks a stop.
+        kind = StopKind.of_signal(signum)
+        if kind > self.kind:
+            self.kind = kind
             self.signal_name = signal.Signals(signum).name
             self.received_at = time.time()
 
 
-def write_marker(checkpoint_dir: Path, step: int, signal_name: str, committed: bool) -> Path:
-    path = checkpoint_dir / MARKER
-    tmp = path.with_name(f"{MARKER}.tmp-{os.getpid()}")
+def write_marker(
+    checkpoint_dir: Path, step: int, signal_name: str, committed: bool, kind: StopKind = StopKind.PREEMPT
+) -> Path:
+    """``.preempted.json`` for a preemption (the job scripts requeue on it), else ``.stopped.json``."""
+    path = checkpoint_dir / (MARKER if kind is StopKind.PREEMPT else STOP_MARKER)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     record = {
         "step": step,
         "signal": signal_name,
         "committed": committed,
         "time": time.time(),
-        "exit_code": EXIT_PREEMPTED,
+        "exit_code": kind.exit_code,
         # Set by the job scripts for each launch: they requeue only on a marker of their own launch.
         "launch_id": os.environ.get(LAUNCH_ID_VAR),
     }
@@ -85,3 +227,4 @@ def write_marker(checkpoint_dir: Path, step: int, signal_name: str, committed: b
 
 def clear_marker(checkpoint_dir: Path) -> None:
     (checkpoint_dir / MARKER).unlink(missing_ok=True)
+    (checkpoint_dir / STOP_MARKER).unlink(missing_ok=True)

@@ -2,16 +2,43 @@
 # Shared helpers for the elastic-train job scripts. Source it; it defines functions only.
 #
 # Knobs (environment):
-#   ET_RUNTIME    venv (default) | module | container  - how python/torchrun are found
-#   ET_VENV       virtual environment for "venv" (default: $ET_PROJECT_DIR/.venv)
-#   ET_MODULES    space-separated modules for "module", e.g. "PyTorch/2.14.1-foss-2025a-CUDA-13.0"
+#   ET_RUNTIME    venv (default) | module | container: where python, torch and torchrun come from
+#   ET_VENV       the virtual environment of "venv" (default: $ET_PROJECT_DIR/.venv, made by `make demo`)
+#   ET_MODULES    space-separated modules for "module", e.g. "PyTorch/2.1.2-foss-2023a-CUDA-12.1.1
+#                 torchvision/0.16.0-foss-2023a-CUDA-12.1.1" (EESSI/EasyBuild ship torchvision apart)
 #   ET_CONTAINER  Apptainer image for "container", e.g. /cluster/work/support/container/pytorch_nvidia_25.05_arm64.sif
+#   ET_PIP_ARGS   extra pip arguments for building a runtime venv (below), split at spaces, e.g.
+#                 "--no-index --find-links /cluster/projects/nnXXXXk/wheels" where nodes have no internet
 #   ET_GPU_LOG    nvidia-smi CSV log (default: $ET_LOG_DIR/gpu-$SLURM_JOB_ID.csv)
 
 et_log() { printf '[elastic-train %(%F %T)T] %s\n' -1 "$*" >&2; }
 et_die() { et_log "ERROR: $*"; exit 2; }
 
-# Fill the global array ET_RUN with the prefix that runs a command in the chosen runtime.
+# Runtimes. "venv" uses a venv that holds everything (pip install -e '.[dev]'). "module" runs
+# `module load $ET_MODULES` (ET_MODULES is required); "container" runs every command through
+# `apptainer exec --nv --bind $ET_PROJECT_DIR --pwd $ET_PROJECT_DIR $ET_CONTAINER`. Modules and
+# images bring python, torch and torchvision, but not structlog, tenacity, xxhash or a recent
+# safetensors, so for these two a RUNTIME VENV is added on top:
+# - where: $ET_PROJECT_DIR/.venv-module-<hash> or .venv-container-<hash>. The hash covers the
+#   modules (ET_MODULES, the python they put on PATH, their PYTHONPATH) or the image (path, size,
+#   mtime), plus pyproject.toml and jobs/lib/runtime_venv.py: change any of them and the next job
+#   builds a new venv (old ones can be deleted while no job uses them).
+# - first job: `python3 -m venv --without-pip --system-site-packages` with the runtime's own python,
+#   then jobs/lib/runtime_venv.py pip-installs, with --no-deps and ET_PIP_ARGS, only the
+#   dependencies of pyproject.toml the runtime lacks, never torch or torchvision (the build fails
+#   if a copy of either lands in the venv), makes the project importable (a .pth file) and adds a
+#   bin/torchrun that runs the runtime's torch with the venv's python. Its stamp file,
+#   .et-runtime-stamp, is written last and says what was found and installed.
+# - later jobs and requeues: the directory exists, so it is reused as it is (no pip, no network).
+# - jobs that start together: each builds in <dir>.tmp-<host>-<pid> and renames it into place; the
+#   first rename wins, the others drop their copy (no lock: works on any shared filesystem).
+#   A killed build leaves its .tmp-* directory behind, which is safe to delete.
+# - when pip fails (no internet on the nodes, no wheel for this python), the job exits 2 naming the
+#   missing packages and the `pip download` command that brings their wheels for ET_PIP_ARGS.
+ET_RUNTIME_STAMP=.et-runtime-stamp
+
+# Fill the global array ET_RUN with the prefix that runs a command in the chosen runtime, and put
+# that runtime's python and torchrun first on its PATH.
 # shellcheck disable=SC2034  # ET_RUN is read by the scripts that source this file
 et_setup_runtime() {
   ET_RUN=()
@@ -22,17 +49,67 @@ et_setup_runtime() {
       PATH="$venv/bin:$PATH"; export PATH
       ;;
     module)
-      command -v module >/dev/null 2>&1 || et_die "ET_RUNTIME=module but the 'module' command is missing"
-      local m
-      for m in ${ET_MODULES:?ET_RUNTIME=module needs ET_MODULES}; do module load "$m"; done
-      if [ -n "${ET_VENV:-}" ]; then PATH="$ET_VENV/bin:$PATH"; export PATH; fi
+      command -v module >/dev/null 2>&1 ||
+        et_die "ET_RUNTIME=module but the 'module' command is missing (submit from a login shell where 'module avail' works)"
+      local m python
+      set +u  # not every site's `module` function is written for `set -u`
+      for m in ${ET_MODULES:?ET_RUNTIME=module needs ET_MODULES, e.g. ET_MODULES=PyTorch/2.1.2-foss-2023a-CUDA-12.1.1}; do
+        module load "$m" || et_die "module load $m failed: look the name up with 'module spider ${m%%/*}'"
+      done
+      set -u
+      python=$(command -v python3) || et_die "no python3 after 'module load $ET_MODULES': add a Python or PyTorch module"
+      et_runtime_venv module "$ET_MODULES|$(readlink -f "$python")|${PYTHONPATH:-}"
+      PATH="$ET_RUNTIME_VENV/bin:$PATH"; export PATH
       ;;
     container)
       [ -f "${ET_CONTAINER:-}" ] || et_die "ET_RUNTIME=container needs ET_CONTAINER pointing at an .sif image"
+      command -v apptainer >/dev/null 2>&1 || et_die "ET_RUNTIME=container but 'apptainer' is not on PATH"
+      local image
+      image=$(readlink -f "$ET_CONTAINER")
       ET_RUN=(apptainer exec --nv --bind "$ET_PROJECT_DIR" --pwd "$ET_PROJECT_DIR" "$ET_CONTAINER")
+      et_runtime_venv container "$image|$(stat -L -c '%s|%Y' "$image")"
+      # The image's PATH is not this script's: put the venv first on it inside the container.
+      # shellcheck disable=SC2016  # expanded by the shell inside the container
+      ET_RUN+=(/bin/sh -c 'PATH="$0/bin:$PATH"; export PATH; exec "$@"' "$ET_RUNTIME_VENV")
       ;;
     *) et_die "ET_RUNTIME=${ET_RUNTIME} is not venv, module or container" ;;
   esac
+}
+
+# Make (first job) or reuse (later jobs) the runtime venv of runtime $1 whose identity is $2; sets
+# ET_RUNTIME_VENV. Commands run in the runtime through "${ET_RUN[@]}" (see the notes above).
+et_runtime_venv() {
+  local kind=$1 identity=$2 key dir tmp pip_args
+  key=$({ printf '%s\n' "$identity"; cat "$ET_PROJECT_DIR/pyproject.toml" "$ET_PROJECT_DIR/jobs/lib/runtime_venv.py"; } |
+    sha256sum | cut -c1-12)
+  dir=$ET_PROJECT_DIR/.venv-$kind-$key
+  ET_RUNTIME_VENV=$dir
+  # A directory of this name only ever appears by a rename of a finished build.
+  if [ -e "$dir" ]; then
+    [ -f "$dir/$ET_RUNTIME_STAMP" ] || et_die "$dir has no $ET_RUNTIME_STAMP (damaged, or not made by this script): delete it and resubmit"
+    et_log "runtime venv $dir reused ($(cat "$dir/$ET_RUNTIME_STAMP"))"
+    return
+  fi
+  tmp=$dir.tmp-${HOSTNAME:-host}-$$
+  et_log "runtime venv $dir: first job with this $kind, building it (later jobs reuse it)"
+  read -ra pip_args <<<"${ET_PIP_ARGS:-}"
+  if ! "${ET_RUN[@]}" python3 -m venv --without-pip --system-site-packages "$tmp"; then
+    rm -rf "$tmp"
+    et_die "the $kind's python3 could not make a venv (python3 -m venv, error above)"
+  fi
+  if ! "${ET_RUN[@]}" "$tmp/bin/python" "$ET_PROJECT_DIR/jobs/lib/runtime_venv.py" setup "$ET_PROJECT_DIR" -- "${pip_args[@]}"; then
+    rm -rf "$tmp"
+    et_die "runtime venv $dir not built (the reason is above; nothing was left behind)"
+  fi
+  if mv -T "$tmp" "$dir" 2>/dev/null; then
+    et_log "runtime venv $dir ready ($(cat "$dir/$ET_RUNTIME_STAMP"))"
+  elif [ -f "$dir/$ET_RUNTIME_STAMP" ]; then
+    rm -rf "$tmp"
+    et_log "runtime venv $dir was built meanwhile by another job: using that one"
+  else
+    rm -rf "$tmp"
+    et_die "could not rename $tmp to $dir (permissions on $ET_PROJECT_DIR?)"
+  fi
 }
 
 # Fill ET_LAUNCH with the launcher: torchrun, or the same agent with warm (forked) worker starts.
@@ -97,13 +174,17 @@ et_catch_signals() {
   done
 }
 
-# Forward signal $1 to the launcher. ET_TERM_AS=USR2 replaces TERM/INT/HUP/QUIT on the way:
-# srun answers SIGTERM by SIGKILLing its tasks, which would leave no time to checkpoint.
+# Forward signal $1 to the launcher. TERM/INT/HUP/QUIT are relayed as ET_TERM_AS (default USR2):
+# - a worker reads SIGTERM as "the launcher stops me" (torchrun sends it before every restart and
+#   on a membership change: not a preemption), and SIGUSR1/SIGUSR2 as "the scheduler takes the
+#   allocation" (a preemption, booked and requeued as one); a TERM from Slurm is the latter;
+# - srun answers SIGTERM by SIGKILLing its tasks, which would leave no time to checkpoint.
+# The launcher forwards USR1/USR2 to its workers (--signals-to-handle in elastic-agent.sh).
 et_forward() {
   local sig=$1 as=$1
   et_note_signal "$sig"
-  case $sig in TERM | INT | HUP | QUIT) as=${ET_TERM_AS:-$sig} ;; esac
-  et_log "forwarding SIG$as to pid $ET_CHILD_PID${ET_TERM_AS:+ (received SIG$sig)}"
+  case $sig in TERM | INT | HUP | QUIT) as=${ET_TERM_AS:-USR2} ;; esac
+  et_log "forwarding SIG$as to pid $ET_CHILD_PID$([ "$as" = "$sig" ] || echo " (received SIG$sig)")"
   kill -s "$as" "$ET_CHILD_PID" 2>/dev/null || true
 }
 
