@@ -168,6 +168,7 @@ def _train_in_group(
             console.line("Training completed successfully.")
             return EXIT_OK
         watchdog = StepWatchdog(cfg.hang_timeout, env.rank)
+        checkpointer.heartbeat = watchdog.alive
         trainer = Trainer(cfg, env, placement, bundle, faults, checkpointer, control, preemption, watchdog, tracker)
         if loaded is not None:
             trainer.restore(loaded)

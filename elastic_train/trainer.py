@@ -266,10 +266,12 @@ class Trainer:
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         replicated, optim_meta = flatten(model_sd, optim_sd)
         # Buffers (BatchNorm statistics) change in the next forward pass, before the async
-        # save's copy is guaranteed done: clone them now (they are small).
-        for name, _ in self.module.named_buffers():
-            if MODEL + name in replicated:
-                replicated[MODEL + name] = replicated[MODEL + name].clone()
+        # save's copy is guaranteed done: clone them now (they are small). Each rank's differ
+        # (its own batch updated them); DDP re-broadcasts rank 0's at the next forward, so
+        # rank 0's are saved.
+        buffers = frozenset(MODEL + name for name, _ in self.module.named_buffers()) & replicated.keys()
+        for key in buffers:
+            replicated[key] = replicated[key].clone()
         sums = sums or MetricSums(self.device)
         per_rank = capture_rng(self.device)
         per_rank.update(
@@ -297,6 +299,7 @@ class Trainer:
             fingerprint=self.cfg.fingerprint(self.bundle.identity()),
             config=self.cfg.to_json(),
             finished=finished,
+            from_rank0=buffers,
         )
 
     def restore(self, loaded: Loaded) -> None:

@@ -147,14 +147,15 @@ def preempted_twice(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, lis
     """Preempted on epoch 1's last batch; resumed and preempted again mid-epoch 2 with a full
     disk for that save; resumed to the end. Returns the folder and the two markers."""
     base = tmp_path_factory.mktemp("preempted")
-    first = cli([*RUN, *dirs(base)], env={"ELASTIC_TRAIN_FAULTS": preempt_after(STEPS)})
+    flags = [*RUN, *dirs(base), "--keep-last", "10"]
+    first = cli(flags, env={"ELASTIC_TRAIN_FAULTS": preempt_after(STEPS)})
     assert first.returncode == EXIT_PREEMPTED, first.output[-3000:]
     markers = [marker(base)]
     faults = f"{preempt_after(STEPS + 2)},enospc:rank=0:step={STEPS + 2}"
-    second = cli([*RUN, *dirs(base)], env={"ELASTIC_TRAIN_FAULTS": faults})
+    second = cli(flags, env={"ELASTIC_TRAIN_FAULTS": faults})
     assert second.returncode == EXIT_PREEMPTED, second.output[-3000:]
     markers.append(marker(base))
-    ok(cli([*RUN, *dirs(base)]))
+    ok(cli(flags))
     return base, markers
 
 
@@ -189,10 +190,10 @@ def test_a_preemption_whose_save_fails_reports_it_and_the_next_run_resumes_from_
 def test_growing_from_one_to_two_processes_mid_epoch_keeps_exact_samples_and_the_patience_count(
     tmp_path: Path, reference: Path
 ) -> None:
-    # A learning rate too small to move a float32 weight: validation accuracy never improves
-    # after epoch 1, so --patience 2 stops at epoch 3 only if the count (1 after epoch 2)
-    # survives the resume; a fresh stopper would finish epoch 3 without an early stop.
-    flags = [*RUN, *dirs(tmp_path), "--optimizer", "sgd", "--base-lr", "1e-12", "--patience", "2"]
+    # A learning rate so large that the weights turn to NaN in epoch 1: every prediction is then
+    # class 0 and validation accuracy never improves again. With --patience 2 the run stops
+    # early at epoch 3 (of 4) only if the count (1 after epoch 2) survives the resume.
+    flags = [*RUN, *dirs(tmp_path), "--base-lr", "1e6", "--patience", "2", "--epochs", "4"]
     alone = cli(flags, env={"ELASTIC_TRAIN_FAULTS": preempt_after(2 * STEPS + 2)})
     assert alone.returncode == EXIT_PREEMPTED, alone.output[-3000:]
     saved = read_manifest(latest_target(tmp_path / "ckpt") or tmp_path)

@@ -19,7 +19,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from elastic_train.checkpoint.format import MANIFEST, latest_target, step_dir_name, step_folders
+from elastic_train.checkpoint.format import (
+    MANIFEST,
+    aside_folders,
+    aside_reason,
+    latest_target,
+    step_dir_name,
+    step_folders,
+    verify,
+)
 from tests.helpers import ROOT, base_env, cli, events, kill_group, read_jsonl
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -137,6 +145,11 @@ def test_a_corrupt_latest_is_reported_and_the_run_continues_from_an_older_one(tm
     assert "checksum mismatch" in second.stderr and str(shard) in second.stderr
     assert f"Resumed from {tmp_path / 'ckpt' / step_dir_name(4)} at epoch 2, step 4" in second.stdout
     assert_bitwise_equal(final_state(reference), final_state(tmp_path))
+    # The damaged one was moved aside (kept for a post-mortem) and its step written again.
+    aside = aside_folders(tmp_path / "ckpt")
+    assert [a.name.split(".")[0] for a in aside] == [step_dir_name(6)] and aside_reason(aside[0]) == "corrupt"
+    assert (aside[0] / shard.name).read_bytes() == bytes(data)
+    verify(tmp_path / "ckpt" / step_dir_name(6), sha256=True)
 
 
 def test_no_valid_checkpoint_exits_2_and_deletes_nothing(tmp_path: Path, reference: Path) -> None:

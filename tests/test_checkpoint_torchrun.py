@@ -11,9 +11,8 @@ from tests.helpers import cli, torchrun
 from tests.test_checkpoint_resume import RUN, assert_bitwise_equal, dirs, epoch_metrics, final_state
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(300)]
-# Each restart gets a fresh rendezvous store: with the shared one, restarted workers sometimes
-# read the previous round's addresses (see ../shared/reference/torch-elastic-facts.md).
-AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# torch's defaults (the agent's shared store across restarts): what a user's plain torchrun gets.
+AGENT_ENV: dict[str, str] = {}
 STANDALONE_2 = ["--standalone", "--nproc_per_node=2"]
 
 
@@ -52,3 +51,24 @@ def test_a_two_rank_checkpoint_resumed_by_one_rank_sees_every_sample_once(tmp_pa
     ours = [(m["epoch"], m["samples_seen"], m["sample_digest"]) for m in epoch_metrics(tmp_path)]
     theirs = [(m["epoch"], m["samples_seen"], m["sample_digest"]) for m in epoch_metrics(reference_2)]
     assert ours == theirs, "a sample was skipped or repeated across the change of world size"
+
+
+def test_a_model_with_buffers_resumes_bitwise_after_a_worker_kill(tmp_path: Path) -> None:
+    """ResNet-18's BatchNorm statistics differ between ranks at a step boundary (each rank's own
+    batch updated them); DDP re-broadcasts rank 0's at the next forward, so rank 0's are saved."""
+    args = [*RUN, "--model", "resnet18", "--image-size", "16"]
+    reference = tmp_path / "reference"
+    done = torchrun(STANDALONE_2, [*args, *dirs(reference)], env=AGENT_ENV)
+    assert done.returncode == 0, done.output
+    killed = tmp_path / "killed"
+    done = torchrun(
+        [*STANDALONE_2, "--max-restarts=1"],
+        [*args, *dirs(killed)],
+        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=8"},
+    )
+    assert done.returncode == 0, done.output
+    assert "Resumed from" in done.stdout and not done.leftovers
+    state = final_state(killed)
+    assert any(k.endswith("running_mean") for k in state), "no BatchNorm buffers in the checkpoint"
+    assert_bitwise_equal(final_state(reference), state)
+    assert epoch_metrics(killed) == epoch_metrics(reference)

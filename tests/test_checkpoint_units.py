@@ -792,3 +792,29 @@ def test_our_shard_writer_produces_files_the_official_parser_reads_back_exactly(
         back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v) for k, v in tensors.items()
     )
     assert entry.size == path.stat().st_size and fmt.file_digests(path, sha256=True)[1:] == (entry.xxh3, entry.sha256)
+
+
+def test_pinned_keys_go_to_their_rank_and_the_rest_still_balance() -> None:
+    sizes = {"model.w1": 400, "model.w2": 300, "model.bn.running_mean": 8, "model.bn.running_var": 8}
+    pins = {"model.bn.running_mean": 0, "model.bn.running_var": 0}
+    for world in (1, 2, 3, 5):
+        owner = assign_shards(sizes, world, pinned=pins)
+        assert owner["model.bn.running_mean"] == 0 and owner["model.bn.running_var"] == 0
+        assert set(owner) == set(sizes)
+    # Without pins a small buffer lands wherever the balance puts it (here: not on rank 0).
+    assert assign_shards(sizes, 2)["model.bn.running_mean"] != 0 or assign_shards(sizes, 2)["model.bn.running_var"] != 0
+
+
+def test_waiting_for_a_slow_shard_write_keeps_the_step_watchdog_fed() -> None:
+    import time as _time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic_train.checkpoint.manager import Checkpointer
+
+    ck = Checkpointer.__new__(Checkpointer)  # only the waiting logic, no process group
+    beats: list[float] = []
+    ck.heartbeat = lambda: beats.append(_time.monotonic())
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(lambda: (_time.sleep(2.5), "written")[1])
+        assert ck._wait_beating(slow) == "written"  # type: ignore[arg-type]
+    assert len(beats) >= 2, beats

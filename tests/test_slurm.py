@@ -196,3 +196,31 @@ def test_a_cancelled_job_saves_but_is_not_requeued(cluster: Cluster, tmp_path: P
     time.sleep(15)  # longer than a requeue would take to show (cred_expire=10)
     info = job.info()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", f"{info}\n{job.text()}"
+
+
+def test_a_node_joining_a_multinode_job_is_not_a_preemption_and_the_job_completes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """torchrun stops its workers with SIGTERM when a node joins: they checkpoint and restart at the
+    larger size. That must not be booked as a preemption, and the job must not requeue for it."""
+    from tests.elastic_harness import Agent, all_events
+
+    port = free_port()
+    env = {**dirs(tmp_path), "ET_RDZV_PORT": str(port), "ET_NPROC": "1", "ET_NNODES": "1:2"}
+    long_run = flags(batch_size=32, max_steps_per_epoch=30, epochs=2, target_accuracy=1.0, patience=0)
+    job = cluster.submit("jobs/multinode.sbatch", [*long_run, "--checkpoint-every", "5"], env, "--nodes=1")
+    wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
+    # "A node joins": a second agent, outside the allocation, in the job's rendezvous.
+    joiner = Agent("joiner", tmp_path, f"127.0.0.1:{port}", job.id, [*long_run, "--checkpoint-every", "5"])
+    try:
+        info = job.wait(300)
+        joiner.wait(120)
+    finally:
+        joiner.cleanup()
+    text = job.text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{text}"
+    assert "requeueing" not in text and "Training completed successfully." in text + joiner.output
+    assert not (tmp_path / "ckpt" / ".preempted.json").exists()
+    stops = [e for e in all_events(tmp_path, "exit") if e.get("reason") == "stopped"]
+    assert stops and all(e["code"] == 76 for e in stops), "the membership change did not stop the workers"
+    assert any(e["world_size"] == 2 for e in all_events(tmp_path, "first_step")), "the job never grew to 2"

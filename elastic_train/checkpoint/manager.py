@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,8 @@ from elastic_train.faults import FaultInjector
 
 log = structlog.get_logger(__name__)
 
+HEARTBEAT_EVERY_S = 1.0
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -109,6 +112,9 @@ class Snapshot:
     fingerprint: dict[str, Any]
     config: dict[str, Any]
     finished: bool = False
+    # Keys of ``replicated`` whose authoritative copy is rank 0's (module buffers: see
+    # ``state.assign_shards``); rank 0 writes them whatever the balance.
+    from_rank0: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -187,6 +193,11 @@ class Checkpointer:
         self.timeline = new_timeline()
         self.parent: Path | None = None  # the checkpoint this run resumed from
         self._selection: Selection | None = None  # rank 0, between choosing and settling
+        # Called about once a second while this rank waits for its own shard to be written (a
+        # large synchronous save can take minutes): the trainer passes the step watchdog's
+        # ``alive``, so a save in progress is never mistaken for a hang. Waits inside collectives
+        # (a peer that froze mid-commit) do not call it: those are what the watchdog is for.
+        self.heartbeat: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -250,9 +261,12 @@ class Checkpointer:
         else:
             self._staged = threading.Event()
             ready = None
-            if any(t.is_cuda for t in snap.replicated.values()):
-                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                ready.record()  # the copies must see the state as of now, after queued compute
+            device = next((t.device for t in snap.replicated.values() if t.is_cuda), None)
+            if device is not None:
+                # The copies must see the state as of now, after the compute queued on this
+                # rank's device; the event is recorded on that device's current stream.
+                ready = (torch.cuda.Event(), device)  # type: ignore[no-untyped-call]
+                ready[0].record(torch.cuda.current_stream(device))
             future = self._pool.submit(self._stage_and_write, snap, folder, self._staged, ready)
         self._pending = (snap, folder, future)
         log.info("checkpoint_started", step=snap.step, sync=sync, path=str(folder))
@@ -326,15 +340,22 @@ class Checkpointer:
         """Block until the running async save has copied its tensors. Call before the optimizer
         step (or anything else) changes the state being saved."""
         if self._staged is not None:
-            self._staged.wait()
+            while not self._staged.wait(HEARTBEAT_EVERY_S):
+                if self.heartbeat is not None:
+                    self.heartbeat()
             self._staged = None
 
     def _stage_and_write(self, snap: Snapshot, folder: Path, staged: threading.Event, ready: Any) -> ShardResult:
         try:
             if ready is not None:
+                event, device = ready
+                # The current CUDA device is per thread and this one's would be GPU 0: bind it to
+                # the state's device, or local ranks != 0 would queue their copies on GPU 0's
+                # stream context and synchronise the wrong stream (and open a context on GPU 0).
+                torch.cuda.set_device(device)
                 if self._copy_stream is None:
-                    self._copy_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-                self._copy_stream.wait_event(ready)
+                    self._copy_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+                self._copy_stream.wait_event(event)
                 with torch.cuda.stream(self._copy_stream):
                     mine = self._select(snap, copy=True)
                 self._copy_stream.synchronize()
@@ -350,7 +371,7 @@ class Checkpointer:
         """This rank's tensors on the CPU. An async save copies them now (training changes the
         originals at the next step); a synchronous one writes CPU tensors in place."""
         sizes = {k: nbytes(v) for k, v in snap.replicated.items()}
-        owner = assign_shards(sizes, self.env.world_size)
+        owner = assign_shards(sizes, self.env.world_size, pinned=dict.fromkeys(snap.from_rank0, 0))
         mine = {k: v for k, v in snap.replicated.items() if owner[k] == self.env.rank}
         mine.update({rank_key(self.env.rank, k): v for k, v in snap.per_rank.items()})
         if not copy:
@@ -387,12 +408,20 @@ class Checkpointer:
         except Exception as exc:  # reported to every rank at the commit, never raised here
             return ShardResult(rank, name, error=f"{type(exc).__name__}: {exc}")
 
+    def _wait_beating(self, future: Future[ShardResult]) -> ShardResult:
+        while True:
+            try:
+                return future.result(timeout=HEARTBEAT_EVERY_S)
+            except TimeoutError:
+                if self.heartbeat is not None:
+                    self.heartbeat()
+
     def commit_pending(self) -> bool:
         """Collective: wait for this rank's shard, share results, rank 0 commits. True if committed."""
         assert self._pending is not None
         snap, folder, future = self._pending
         self._pending = None
-        result = future.result()
+        result = self._wait_beating(future)
         results: list[ShardResult | None] = [None] * self.env.world_size
         dist.all_gather_object(results, result, group=self.group)
         failures = [r for r in results if r is None or r.error]

@@ -15,6 +15,7 @@ parameters) go to the manifest as JSON: nothing is ever pickled.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,15 +26,23 @@ OPTIM = "optim.state."
 RANK = "rank."
 
 
-def assign_shards(sizes: dict[str, int], world_size: int) -> dict[str, int]:
-    """Map each key to a rank: largest first, each to the least-loaded rank (ties: lowest rank).
+def assign_shards(sizes: dict[str, int], world_size: int, pinned: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Map each key to a rank: ``pinned`` keys to their rank, then the others largest first,
+    each to the least-loaded rank (ties: lowest rank).
 
-    Deterministic for a given ``sizes``; the byte loads of any two ranks differ by at most the
-    largest tensor.
+    Deterministic for a given ``sizes``; without pins the byte loads of any two ranks differ by
+    at most the largest tensor. Pins exist for state whose replicas differ between ranks at a
+    step boundary although DDP treats them as replicated: module buffers (BatchNorm running
+    statistics) are updated by each rank's own forward pass and re-broadcast from rank 0 at the
+    next one, so rank 0's copy is the one the run continues with and the one to save.
     """
     loads = [0] * world_size
     owner: dict[str, int] = {}
-    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+    for key, rank in (pinned or {}).items():
+        if key in sizes:
+            owner[key] = rank
+            loads[rank] += sizes[key]
+    for key in sorted((k for k in sizes if k not in owner), key=lambda k: (-sizes[k], k)):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         owner[key] = rank
         loads[rank] += sizes[key]

@@ -50,6 +50,11 @@ class StepWatchdog:
         self._step = step
         self._phase = phase
 
+    def alive(self, phase: str = "checkpoint") -> None:
+        """Progress without a finished step (e.g. a large checkpoint being written)."""
+        self._last = time.monotonic()
+        self._phase = phase
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
