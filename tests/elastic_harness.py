@@ -20,7 +20,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from elastic_train.checkpoint.format import MANIFEST, read_manifest, step_folders
+from elastic_train.checkpoint.format import MANIFEST, aside_folders, checkpoint_key, read_manifest, step_folders
 from elastic_train.logs import parse_timestamp
 from tests.helpers import (
     ROOT,
@@ -62,6 +62,7 @@ def rendezvous_store(tmp: Path, host: Host | None = None) -> Iterator[str]:
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -122,6 +123,7 @@ class Agent:
                 cwd=ROOT,
                 stdout=out,
                 stderr=err,
+                text=True,
                 start_new_session=True,
             )
 
@@ -236,32 +238,58 @@ def rank_log_events(base: Path, name: str) -> dict[int, list[dict[str, Any]]]:
     return found
 
 
+def _commit_key(event: dict[str, Any]) -> tuple[int, int]:
+    """``(step, version)`` of a ``checkpoint_committed`` event, from the folder it names."""
+    key = checkpoint_key(Path(event.get("path", "")))
+    return key if key is not None else (int(event["step"]), 1)
+
+
+def _folder_key(name: str) -> tuple[int, int]:
+    key = checkpoint_key(Path(name))
+    assert key is not None, f"{name} is not a step folder"
+    return key
+
+
 def assert_one_lineage(base: Path) -> None:
-    """Checkpoints form one timeline, whoever survived: no step was committed twice (by two groups
-    or at all), commits only move forward, every committed folder verifies (sizes, xxh3, sha256)
-    with ``python -m elastic_train.ckpt verify``, and all manifests belong to one run."""
+    """Checkpoints form one line of training, whoever survived a fault.
+
+    No checkpoint was committed twice (by two groups, or at all) and commits only move forward
+    in ``(step, version)`` (a step has a second version only for an evaluated epoch end after a
+    mid-epoch commit of it); all manifests carry one timeline, run id and fingerprint; each
+    names as its parent a checkpoint before it; the data position advances with the step;
+    nothing was set aside as corrupt or abandoned; the newest checkpoint is the final one; and
+    every committed folder verifies with ``python -m elastic_train.ckpt verify`` (sizes, xxh3,
+    sha256). Needs every checkpoint kept (``--keep-last`` above their number).
+    """
     commits = rank_log_events(base, "checkpoint_committed")
     # Every group has a rank 0, and all of them log to the same rank-0.jsonl.
-    by_step = {e["step"]: e["world_size"] for e in commits.get(0, [])}
+    by_key = {_commit_key(e): e["world_size"] for e in commits.get(0, [])}
+    assert by_key, "no checkpoint was committed"
     for rank, events in sorted(commits.items()):
-        steps = [e["step"] for e in events]
-        assert all(a < b for a, b in itertools.pairwise(steps)), (
-            f"rank {rank}'s commits not strictly increasing: {steps}"
-        )
+        keys = [_commit_key(e) for e in events]
+        assert all(a < b for a, b in itertools.pairwise(keys)), f"rank {rank}'s commits do not move forward: {keys}"
         for e in events:
-            assert by_step.get(e["step"]) == e["world_size"], (
-                f"rank {rank} committed step {e['step']} at world size {e['world_size']}; rank 0's commits: {by_step}"
+            assert by_key.get(_commit_key(e)) == e["world_size"], (
+                f"rank {rank} committed {e['path']} at world size {e['world_size']}; rank 0's commits: {by_key}"
             )
-    assert by_step, "no checkpoint was committed"
     root = base / "ckpt"
-    manifests = sorted((read_manifest(f) for f in step_folders(root) if (f / MANIFEST).exists()), key=lambda m: m.step)
-    on_disk = [m.step for m in manifests]
-    assert on_disk and set(on_disk) <= set(by_step), f"manifests of steps {on_disk}, commits logged: {sorted(by_step)}"
-    assert len({m.run_id for m in manifests}) == 1, f"manifests of several runs: {[m.run_id for m in manifests]}"
-    assert all(m.fingerprint == manifests[0].fingerprint for m in manifests), "manifests of different runs' settings"
-    positions = [(m.epoch, m.batch_in_epoch) for m in manifests]
+    assert not aside_folders(root), f"checkpoints set aside: {[f.name for f in aside_folders(root)]}"
+    folders = [f for f in reversed(step_folders(root)) if (f / MANIFEST).exists()]  # oldest first
+    manifests = {f.name: read_manifest(f) for f in folders}
+    on_disk = [_folder_key(f.name) for f in folders]
+    assert on_disk and set(on_disk) <= set(by_key), f"committed folders {on_disk}, commits logged: {sorted(by_key)}"
+    first, last = manifests[folders[0].name], manifests[folders[-1].name]
+    for name, m in manifests.items():
+        assert (m.timeline, m.run_id, m.fingerprint) == (first.timeline, first.run_id, first.fingerprint), (
+            f"{name} is of another line of training: timeline {m.timeline!r}, run {m.run_id!r}"
+        )
+        if m.parent:
+            assert m.parent in manifests, f"{name} resumed from {m.parent}, which is not a committed checkpoint here"
+            assert _folder_key(m.parent) < _folder_key(name), f"{name}'s parent {m.parent} is not older than it"
+    assert first.timeline, "the manifests carry no timeline"
+    positions = [(m.epoch, m.batch_in_epoch) for m in manifests.values()]
     assert positions == sorted(set(positions)), f"the data position does not advance with the step: {positions}"
-    assert manifests[-1].finished, f"the newest checkpoint (step {on_disk[-1]}) is not the final one"
+    assert last.finished, f"the newest checkpoint ({folders[-1].name}) is not the final one"
     done = subprocess.run(
         [sys.executable, "-m", "elastic_train.ckpt", "verify", str(root)],
         capture_output=True,

@@ -2,10 +2,11 @@
 timed saves, ``--resume PATH``, preemptions on an epoch's last batch and with a failing save,
 early-stop state and a 1 -> 2 process grow across a resume.
 
-Preemption is delivered as the scheduler would: SIGUSR1, sent by the ``preempt`` fault at the start
-of a step (tests/test_faults.py tests the fault itself). The ranks agree on a stop one step
-boundary after the one that saw the signal, so a signal at the start of step S stops the run
-after step S + 1. One uninterrupted run (``reference``) is the yardstick for weights and metrics.
+Preemption is delivered as a scheduler would: SIGUSR1, sent by the ``preempt`` fault at the start
+of a step (the preemption marker names the signal, so the tests see that it fired). The ranks
+agree on a stop at the step boundary after the one that saw the signal, so a signal at the start
+of step S stops the run after step S + 1. One uninterrupted run (``reference``) is the yardstick
+for weights and metrics.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def test_synchronous_saves_with_retention_resume_after_a_kill_like_an_uninterrup
     assert latest_target(tmp_path / "ckpt") == tmp_path / "ckpt" / step_dir_name(9)
     verify(tmp_path / "ckpt" / step_dir_name(9), sha256=True)
     deleted = {Path(e["path"]).name for e in events(tmp_path / "logs", 0, "checkpoint_deleted")}
-    assert {step_dir_name(s) for s in range(1, 8)} <= deleted
+    assert {step_dir_name(s) for s in range(3, 8)} <= deleted, "deleted by the resumed run's retention"
 
 
 def test_resume_path_to_an_older_checkpoint_continues_from_it_and_sets_the_abandoned_future_aside(
@@ -163,6 +164,7 @@ def test_a_preemption_on_an_epochs_last_batch_still_gets_its_evaluated_epoch_end
     preempted_twice: tuple[Path, list[dict[str, object]]], reference: Path
 ) -> None:
     base, markers = preempted_twice
+    assert [m["signal"] for m in markers] == ["SIGUSR1", "SIGUSR1"]
     assert markers[0]["step"] == STEPS and markers[0]["committed"] is True
     mid = read_manifest(base / "ckpt" / step_dir_name(STEPS))
     assert (mid.epoch, mid.batch_in_epoch) == (0, STEPS), "the preemption must land on the last batch, before eval"

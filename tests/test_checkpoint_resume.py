@@ -185,6 +185,7 @@ def test_a_second_run_on_the_same_checkpoint_dir_is_refused(tmp_path: Path) -> N
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        text=True,
         start_new_session=True,
     )
     try:

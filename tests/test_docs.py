@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.cli import parse_config
-from tests.helpers import ROOT, run
+from tests.helpers import BIN, ROOT, run
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -30,6 +30,7 @@ RUN_HERE = [
     "python -m elastic_train --epochs 2 --max-steps-per-epoch 10",
     "python -m elastic_train.launch --standalone --nproc_per_node=2 --max-restarts=3 -m elastic_train "
     "--epochs 2 --max-steps-per-epoch 10",
+    "torchrun --standalone --nproc_per_node=2 --max-restarts=3 -m elastic_train --epochs 2 --max-steps-per-epoch 10",
     "python -m elastic_train.ckpt list checkpoints",
     "python -m elastic_train.ckpt verify checkpoints",
     "python -m elastic_train.ckpt inspect checkpoints",
@@ -42,6 +43,8 @@ COVERED_BY: dict[str, str] = {
     r"make demo": "Makefile target; .ci/run runs `make test`, test_make_targets_exist checks `demo`",
     r"make test": "Makefile target; .ci/run runs it",
     r"make bench": "Makefile target; test_make_targets_exist checks it",
+    r"make gpu-check": "Makefile target (needs a GPU); test_make_targets_exist checks it, "
+    "tests/test_gpu_check.py runs its CPU smoke mode",
     r"sudo \.ci/local-slurm\.sh (start|stop)": ".ci/run",
     r"python -m elastic_train\.rendezvous --port 29400 &": ELASTIC
     + "test_losing_the_node_at_the_rendezvous_endpoint_with_the_standalone_store_is_survived",
@@ -124,7 +127,7 @@ def check_cluster_example(cmd: str) -> None:
 
 
 def test_make_targets_exist() -> None:
-    for target in ("demo", "test", "bench", "lint"):
+    for target in ("demo", "test", "bench", "lint", "gpu-check"):
         done = run(["make", "-n", target], timeout=30)
         assert done.returncode == 0, done.output
 
@@ -136,12 +139,17 @@ def test_quickstart_commands_run_verbatim(tmp_path: Path) -> None:
     for cmd in RUN_HERE:
         assert cmd in documented, f"RUN_HERE lists `{cmd}`, which no doc shows any more"
         words = shlex.split(cmd)
-        assert words[0] == "python"
-        # The launcher trains on its own, in a folder of its own (it would find the run above finished).
-        cwd = tmp_path / "launch" if words[2] == "elastic_train.launch" else tmp_path
+        assert words[0] in ("python", "torchrun")
+        # The launchers train on their own, in folders of their own (they would find the run above finished).
+        if words[0] == "torchrun":
+            cwd, argv = tmp_path / "torchrun", [str(BIN / "torchrun"), *words[1:]]
+        else:
+            cwd = tmp_path / "launch" if words[2] == "elastic_train.launch" else tmp_path
+            argv = [sys.executable, *words[1:]]
         cwd.mkdir(exist_ok=True)
-        done = run([sys.executable, *words[1:]], timeout=240, cwd=cwd)
+        done = run(argv, timeout=240, cwd=cwd)
         assert done.returncode == 0, f"`{cmd}` failed:\n{done.output}"
     assert (tmp_path / "model.safetensors").stat().st_size > 100_000
     assert (tmp_path / "report.png").stat().st_size > 20_000
     assert (tmp_path / "launch" / "logs" / "metrics.jsonl").is_file()
+    assert (tmp_path / "torchrun" / "logs" / "metrics.jsonl").is_file()

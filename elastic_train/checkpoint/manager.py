@@ -91,7 +91,7 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: str = "auto"  # auto | never | PATH
     async_save: bool = True
-    hang_timeout: float = 300.0  # the run's --hang-timeout: the directory lock's TTL is derived from it
+    hang_timeout: float = 60.0  # the run's --hang-timeout: the directory lock's TTL is derived from it
 
 
 @dataclass
