@@ -76,11 +76,10 @@ def dd_seconds(folder: Path, megabytes: int) -> float:
 def worker(rank: int, world: int, init_file: str, folder: str, megabytes: int, repeats: int, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from elastic_train.checkpoint.format import latest_target
     from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Snapshot, load
-    from elastic_train.checkpoint.state import flatten, unflatten
+    from elastic_train.checkpoint.state import flatten, load_state_dicts, state_dicts, unflatten
     from elastic_train.distributed.env import DistEnv
     from elastic_train.faults import FaultInjector
 
@@ -99,7 +98,7 @@ def worker(rank: int, world: int, init_file: str, folder: str, megabytes: int, r
     }
 
     def snapshot(step: int) -> Snapshot:
-        tensors, meta = flatten(*get_state_dict(model, optimizer))
+        tensors, meta = flatten(*state_dicts(model, optimizer))
         return Snapshot(step, 0, step, tensors, {}, meta, {"bench": 1}, {})
 
     def clean() -> None:
@@ -173,7 +172,7 @@ def worker(rank: int, world: int, init_file: str, folder: str, megabytes: int, r
         start = time.perf_counter()
         loaded = load(newest)
         model_sd, optim_sd = unflatten(loaded.tensors, loaded.manifest.trainer)
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        load_state_dicts(model, optimizer, model_sd, optim_sd)
         ours_load = time.perf_counter() - start
         if rank == 0:
             raw["dd_mb_s"].append(size / dd / 1e6)

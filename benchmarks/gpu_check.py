@@ -247,6 +247,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true", help="small runs (the CPU smoke test uses it)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--only", action="append", default=None, help="run just this check (repeatable)")
     parser.add_argument("--async-save-probe", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.async_save_probe:
@@ -264,6 +265,11 @@ def main() -> int:
         ("kill-resume", check_kill_resume),
         ("throughput", check_throughput),
     ]
+    if args.only:
+        unknown = set(args.only) - {name for name, _ in checks}
+        if unknown:
+            parser.error(f"unknown check(s) {sorted(unknown)}")
+        checks = [(name, run) for name, run in checks if name in args.only]
     results: list[Check] = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for name, run in checks:

@@ -20,6 +20,7 @@ and only a valid run imports the runtime (``elastic_train.run``).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -169,8 +170,11 @@ def check_inputs(cfg: TrainConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The launcher's pid, read before anything slow: an agent SIGKILLed while this worker imports
+    # torch has re-parented it by the time the parent watch starts (resilience/orphan.py).
+    launcher_pid = os.getppid()
     env: DistEnv | None = None
-    code = EXIT_USAGE
+    code = 1
     try:
         env = DistEnv.from_environ()
         configure_logging(env)
@@ -179,9 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_inputs(cfg)
         from elastic_train.run import train  # the torch-heavy part
 
-        code = train(cfg, env) or EXIT_OK
+        code = train(cfg, env, launcher_pid) or EXIT_OK
         return code
     except UsageError as exc:
+        code = EXIT_USAGE
         report_usage_error(exc, env)
         return EXIT_USAGE
     except Exception:

@@ -104,14 +104,14 @@ def _announce_resume(console: Console, loaded: Loaded, cfg: TrainConfig) -> None
 
 
 @record
-def train(cfg: TrainConfig, env: DistEnv) -> int:
+def train(cfg: TrainConfig, env: DistEnv, launcher_pid: int | None = None) -> int:
     """The whole run in this process. Bad input (flags, data, checkpoints) returns ``EXIT_USAGE``
     on every rank with one message and no traceback: it is agreed collectively where it is found
     (data, checkpoints), so no rank raises past ``@record`` and gets its peers SIGTERMed."""
     clock = StartupClock()
     clock.mark("interpreter_and_imports")
     if env.launched:
-        ParentWatch(env.rank).start()  # a worker whose launcher died must not train on as an orphan
+        ParentWatch(env.rank, launcher_pid).start()  # a worker whose launcher died must not train on
     # From here on SIGTERM/SIGUSR1/SIGUSR2 mean "checkpoint at the next agreed step and exit 76/75",
     # or exit 77 after --stop-grace seconds. Left installed until the process exits: a signal
     # during the teardown must not turn a clean exit code into -15.
@@ -169,15 +169,17 @@ def _train_in_group(
             return EXIT_OK
         watchdog = StepWatchdog(cfg.hang_timeout, env.rank)
         checkpointer.heartbeat = watchdog.alive
+        if preemption.grace is not None:
+            preemption.grace.progress = lambda: watchdog.last_progress
         trainer = Trainer(cfg, env, placement, bundle, faults, checkpointer, control, preemption, watchdog, tracker)
         if loaded is not None:
             trainer.restore(loaded)
-            checkpointer.last_committed_step = loaded.manifest.step
             _announce_resume(console, loaded, cfg)
             del loaded
         watchdog.start()
         try:
             summary = trainer.fit()
+            preemption.acknowledge()  # the final checkpoint is committed: a late signal changes nothing
         except Preempted as exc:
             return _exit_preempted(cfg, env, console, preemption, exc)
         finally:

@@ -16,11 +16,19 @@ import numpy as np
 import structlog
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.checkpoint.manager import Checkpointer, Loaded, Snapshot
-from elastic_train.checkpoint.state import MODEL, capture_rng, flatten, rank_items, restore_rng, unflatten
+from elastic_train.checkpoint.state import (
+    MODEL,
+    capture_rng,
+    flatten,
+    load_state_dicts,
+    rank_items,
+    restore_rng,
+    state_dicts,
+    unflatten,
+)
 from elastic_train.config import TrainConfig
 from elastic_train.data import DataBundle, make_loaders
 from elastic_train.distributed.env import DistEnv
@@ -263,7 +271,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoint state
     def snapshot(self, sums: MetricSums | None = None, elapsed: float = 0.0, finished: bool = False) -> Snapshot:
         """Everything needed to continue exactly from this step boundary."""
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        model_sd, optim_sd = state_dicts(self.module, self.optimizer)
         replicated, optim_meta = flatten(model_sd, optim_sd)
         # Buffers (BatchNorm statistics) change in the next forward pass, before the async
         # save's copy is guaranteed done: clone them now (they are small). Each rank's differ
@@ -306,7 +314,7 @@ class Trainer:
         """Continue from ``loaded``: same world size exactly; another size from the same global batch."""
         m = loaded.manifest
         model_sd, optim_sd = unflatten(loaded.tensors, m.trainer)
-        set_state_dict(self.module, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        load_state_dicts(self.module, self.optimizer, model_sd, optim_sd)
         self.scheduler.load_state_dict(m.trainer["scheduler"])
         if m.trainer.get("scaler"):
             self.precision.scaler.load_state_dict(m.trainer["scaler"])

@@ -1,5 +1,7 @@
 """``make gpu-check`` stays runnable where no GPU is: its CPU smoke mode (gloo, bf16 autocast on the
-CPU, tiny runs) goes through every check, so a GPU machine only has to bring the device."""
+CPU, tiny runs) goes through the checks whose code exists only in the script (the trainer run
+and table, the async-save probe, the bare-loop comparison); deterministic kill+resume is what
+tests/test_checkpoint_torchrun.py already does on the CPU."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(600)]
 
 
 def test_the_gpu_check_script_passes_every_check_in_its_cpu_smoke_mode() -> None:
-    done = run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick"], timeout=540)
+    checks = ("nccl-bf16", "async-save", "throughput")
+    only = [arg for check in checks for arg in ("--only", check)]
+    script = str(ROOT / "benchmarks" / "gpu_check.py")
+    done = run([sys.executable, script, "--device", "cpu", "--quick", *only], timeout=540)
     assert done.returncode == 0, done.output
     table = done.stdout[done.stdout.index("| check |") :]
-    for check in ("nccl-bf16", "nccl-fp16", "async-save", "kill-resume", "throughput"):
+    for check in checks:
         assert f"| {check} | pass |" in table, table

@@ -85,6 +85,17 @@ def test_the_grace_period_ends_the_process_when_no_boundary_is_agreed_in_time() 
     assert codes == [EXIT_STOP_GRACE_EXPIRED] and 0.4 < took < 2.5
 
 
+def test_progress_after_the_signal_extends_the_grace_period() -> None:
+    """A rank evaluating or saving for longer than the grace is not ended: only a silent one is."""
+    codes: list[int] = []
+    exited = threading.Event()
+    grace = StopGrace(0.5, rank=0, exit_fn=lambda c: (codes.append(c), exited.set()))
+    busy_until = time.monotonic() + 1.5  # "progress" (beats) for 1.5 s after the signal
+    grace.progress = lambda: min(time.monotonic(), busy_until)
+    took = _deliver_and_wait(grace, exited, disarm=False)
+    assert codes == [EXIT_STOP_GRACE_EXPIRED] and 1.9 < took < 3.0, took
+
+
 def test_an_agreed_boundary_disarms_the_grace_period() -> None:
     codes: list[int] = []
     exited = threading.Event()
@@ -127,6 +138,7 @@ def test_sigterm_to_a_rank_blocked_in_an_allreduce_on_a_frozen_peer_exits_within
         finally:
             kill_group(procs[1])
         out, err = procs[0].communicate()
+    print(f"blocked rank exited {took:.2f}s after SIGTERM (grace {grace}s)")
     assert code == EXIT_STOP_GRACE_EXPIRED, out + err
     assert took < grace + 2, f"rank 0 exited {took:.1f}s after SIGTERM (grace {grace}s)"
     (expired,) = events(tmp_path / "logs", 0, "stop_grace_expired")

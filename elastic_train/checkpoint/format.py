@@ -65,6 +65,11 @@ class CheckpointInvalid(Exception):
     """A checkpoint folder that must not be trusted; the message names the file and the fault."""
 
 
+class CheckpointUnreadable(CheckpointInvalid):
+    """The storage failed while reading (EIO, ESTALE, EMFILE, ...): the content may be fine.
+    Not trusted for this load, but never moved aside as corrupt: it may read fine next time."""
+
+
 @dataclass(frozen=True)
 class FileEntry:
     size: int
@@ -143,13 +148,17 @@ def file_digests(path: Path, sha256: bool) -> tuple[int, str, str]:
 
 
 def check_entry(path: Path, entry: FileEntry, sha256: bool = False) -> None:
-    """Raise ``CheckpointInvalid`` naming ``path`` unless size and checksums match the manifest."""
+    """Raise ``CheckpointInvalid`` naming ``path`` unless size and checksums match the manifest
+    (``CheckpointUnreadable`` when the storage fails while reading)."""
     if not path.is_file():
         raise CheckpointInvalid(f"{path} is missing")
-    size = path.stat().st_size
-    if size != entry.size:
-        raise CheckpointInvalid(f"{path} has {size} bytes, the manifest says {entry.size} (truncated?)")
-    _, fast, slow = file_digests(path, sha256)
+    try:
+        size = path.stat().st_size
+        if size != entry.size:
+            raise CheckpointInvalid(f"{path} has {size} bytes, the manifest says {entry.size} (truncated?)")
+        _, fast, slow = file_digests(path, sha256)
+    except OSError as exc:
+        raise CheckpointUnreadable(f"{path}: cannot be read ({exc})") from None
     if fast != entry.xxh3:
         raise CheckpointInvalid(f"{path}: checksum mismatch (xxh3), the file is corrupt")
     if sha256 and slow != entry.sha256:
@@ -163,7 +172,7 @@ def read_manifest(folder: Path) -> Manifest:
     except FileNotFoundError:
         raise CheckpointInvalid(f"{path} is missing (an incomplete save)") from None
     except OSError as exc:
-        raise CheckpointInvalid(f"{path}: {exc}") from None
+        raise CheckpointUnreadable(f"{path}: cannot be read ({exc})") from None
     manifest = Manifest.from_json(text, path)
     if step_of(folder) not in (None, manifest.step):
         raise CheckpointInvalid(f"{path}: step {manifest.step} does not match the folder name")

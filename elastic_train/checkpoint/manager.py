@@ -51,6 +51,7 @@ from elastic_train.checkpoint.format import (
     CORRUPT,
     MANIFEST,
     CheckpointInvalid,
+    CheckpointUnreadable,
     FileEntry,
     Manifest,
     checkpoint_key,
@@ -208,6 +209,13 @@ class Checkpointer:
                 self.lock.acquire()
             except UsageError as exc:
                 error = str(exc)
+            except OSError as exc:  # an unwritable or missing parent: bad input, not a crash
+                error = str(
+                    UsageError(
+                        f"--checkpoint-dir {self.cfg.root} cannot be used: {exc}",
+                        "pass a writable folder (on storage every node sees)",
+                    )
+                )
         box: list[str | None] = [error]
         dist.broadcast_object_list(box, src=0, group=self.group)
         if box[0] is not None:
@@ -295,7 +303,8 @@ class Checkpointer:
                 manifest = read_manifest(folder)
             except CheckpointInvalid as exc:
                 log.error("checkpoint_invalid", path=str(folder), error=str(exc))
-                self._set_aside(folder, CORRUPT)
+                if not isinstance(exc, CheckpointUnreadable):  # a storage hiccup is no proof of damage
+                    self._set_aside(folder, CORRUPT)
                 continue
             if not self._ours(folder, manifest):
                 log.warning(
@@ -332,7 +341,7 @@ class Checkpointer:
         folder then stays and the next save of that step is written beside it."""
         try:
             move_aside(folder, reason)
-            repair_latest(self.cfg.root, self.parent)
+            repair_latest(self.cfg.root, None)
         except OSError as exc:
             log.error("checkpoint_move_aside_failed", path=str(folder), reason=reason, error=repr(exc))
 
@@ -514,6 +523,8 @@ class Checkpointer:
                 choice = None if self._selection.folder is None else str(self._selection.folder)
             except UsageError as exc:
                 error = str(exc)
+            except OSError as exc:  # listing the folder failed: every rank must hear of it, not hang
+                error = f"{self.cfg.root} cannot be read: {exc}. Fix: check the storage and run again"
         box: list[str | None] = [error, choice]
         dist.broadcast_object_list(box, src=0, group=self.group)
         if box[0] is not None:
@@ -628,7 +639,8 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
             manifest = verify(folder)
         except CheckpointInvalid as exc:
             problems.append(str(exc))
-            invalid.append(folder)
+            if not isinstance(exc, CheckpointUnreadable):  # only proven damage is moved aside later
+                invalid.append(folder)
             log.error("checkpoint_invalid", path=str(folder), error=str(exc))
             continue
         if latest is None or folder.resolve() != latest.resolve():
@@ -644,11 +656,23 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
 
 
 def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another model or data order, naming every difference."""
+    """Refuse a checkpoint of another model or data order, naming every difference.
+
+    A checkpoint written before datasets had an identity (no ``data.*`` keys at all) is accepted
+    with a warning: refusing it would strand every run upgraded mid-training.
+    """
+    recorded = manifest.fingerprint
+    if not any(key.startswith(DATA_KEY) for key in recorded):
+        log.warning(
+            "checkpoint_without_dataset_identity",
+            path=str(folder),
+            detail="written before datasets were fingerprinted: a changed dataset cannot be detected",
+        )
+        fingerprint = {k: v for k, v in fingerprint.items() if not k.startswith(DATA_KEY)}
     diffs = [
-        f"{key}: checkpoint {manifest.fingerprint.get(key)!r}, this run {value!r}"
+        f"{key}: checkpoint {recorded.get(key)!r}, this run {value!r}"
         for key, value in fingerprint.items()
-        if manifest.fingerprint.get(key) != value
+        if recorded.get(key) != value
     ]
     if diffs:
         hint = "run with the checkpoint's settings, or use another --checkpoint-dir / --resume never"

@@ -2,7 +2,7 @@
 
 Keys are flat and stable:
 
-* ``model.<fqn>``: model parameters and buffers (FQNs from ``get_state_dict``, no ``module.``);
+* ``model.<fqn>``: model parameters and buffers (FQNs of the bare module, no ``module.``);
 * ``optim.state.<fqn>.<name>``: optimizer state per parameter (e.g. ``exp_avg``, ``step``);
 * ``rank.<r>.<name>``: state of rank ``r`` alone (RNG streams, partial-epoch metric sums).
 
@@ -47,6 +47,45 @@ def assign_shards(sizes: dict[str, int], world_size: int, pinned: Mapping[str, i
         owner[key] = rank
         loads[rank] += sizes[key]
     return owner
+
+
+def _param_fqns(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The FQN of each parameter in the optimizer's own numbering (param groups in order)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    try:
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    except KeyError:
+        raise ValueError("the optimizer holds a parameter that is not the module's") from None
+
+
+def state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state with the optimizer's parameters named by FQN, not by index.
+
+    The same layout as ``torch.distributed.checkpoint.state_dict.get_state_dict`` for a module
+    that is not sharded (DDP's replicas; a test holds the two equal), without importing it: that
+    module costs ~0.6 s of every worker's start-up, i.e. of every restart.
+    """
+    fqns = _param_fqns(module, optimizer)
+    raw = optimizer.state_dict()
+    state = {fqns[index]: value for index, value in raw["state"].items()}
+    groups = [{**group, "params": [fqns[i] for i in group["params"]]} for group in raw["param_groups"]]
+    return module.state_dict(), {"state": state, "param_groups": groups}
+
+
+def load_state_dicts(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict[str, Any], optim_sd: dict[str, Any]
+) -> None:
+    """The inverse of ``state_dicts``: strict for the model, FQNs mapped back to indices."""
+    module.load_state_dict(model_sd)
+    index = {fqn: i for i, fqn in enumerate(_param_fqns(module, optimizer))}
+    try:
+        raw = {
+            "state": {index[fqn]: value for fqn, value in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [index[f] for f in g["params"]]} for g in optim_sd["param_groups"]],
+        }
+    except KeyError as exc:
+        raise ValueError(f"optimizer state names a parameter this model does not have: {exc}") from None
+    optimizer.load_state_dict(raw)
 
 
 def nbytes(t: torch.Tensor) -> int:

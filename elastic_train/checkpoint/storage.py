@@ -141,7 +141,8 @@ def repair_latest(root: Path, prefer: Path | None) -> None:
     if target is None or target.exists():
         return
     fallback = [f for f in step_folders(root) if committed(f)]
-    choice = prefer if prefer is not None and prefer.parent.resolve() == root.resolve() else None
+    in_root = prefer is not None and prefer.parent.resolve() == root.resolve()
+    choice = prefer if in_root and prefer is not None and committed(prefer) else None
     choice = choice or (fallback[0] if fallback else None)
     if choice is None:
         (root / LATEST).unlink(missing_ok=True)

@@ -81,14 +81,38 @@ def init_attempts() -> int:
     return max(1, int(os.environ.get("ELASTIC_TRAIN_INIT_ATTEMPTS", DEFAULT_INIT_ATTEMPTS)))
 
 
-def _init(env: DistEnv, placement: Placement, timeout: datetime.timedelta) -> None:
+def _connect_store(timeout: datetime.timedelta) -> tuple[dist.Store, int, int]:  # type: ignore[name-defined]
+    """env:// (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set by torchrun): the store, rank, world."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # type: ignore[attr-defined]
+    return store, int(rank), int(world_size)
+
+
+def init_process_group(env: DistEnv, placement: Placement, timeout_s: float) -> None:
+    """Join the process group.
+
+    Only the connection to the store is retried (bounded, jittered waits): it is idempotent and
+    rank-local. The round agreement and the group's creation are collective: a rank retrying
+    them alone would wait for peers that have moved on, so a failure there ends the attempt and
+    torchrun restarts the group. ``timeout_s`` bounds every later collective
+    (``--collective-timeout``): a dead peer turns into an error after that long instead of the
+    backend default of 30 minutes.
+    """
+    if placement.is_cuda:
+        torch.cuda.set_device(placement.device)
+    timeout = datetime.timedelta(seconds=timeout_s)
     device_id = placement.device if placement.is_cuda else None
     if env.launched:
-        # env:// reads MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set by torchrun. The group's keys
-        # go under a prefix this round's ranks agree on (see distributed/round.py): torchrun's
-        # default shared store keeps earlier rounds' keys, and this attempt's after a retry.
-        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # type: ignore[attr-defined]
-        prefix = agree_round(store, rank, world_size, timeout.total_seconds())
+        connect = retry(
+            retry=retry_if_exception(_is_connection_error),
+            stop=stop_after_attempt(init_attempts()),
+            wait=wait_random_exponential(multiplier=0.5, max=10.0),
+            before_sleep=_log_retry,
+            reraise=True,
+        )(_connect_store)
+        store, rank, world_size = connect(timeout)
+        # The group's keys go under a prefix this round's ranks agree on (distributed/round.py):
+        # torchrun's default shared store keeps earlier rounds' keys.
+        prefix = agree_round(store, rank, world_size, timeout_s)
         dist.init_process_group(
             placement.backend,
             store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
@@ -106,24 +130,6 @@ def _init(env: DistEnv, placement: Placement, timeout: datetime.timedelta) -> No
             timeout=timeout,
             device_id=device_id,
         )
-
-
-def init_process_group(env: DistEnv, placement: Placement, timeout_s: float) -> None:
-    """Join the process group, retrying connection errors with bounded, jittered waits.
-
-    ``timeout_s`` bounds every later collective (``--collective-timeout``): a dead peer turns
-    into an error after that long instead of the backend default of 30 minutes.
-    """
-    if placement.is_cuda:
-        torch.cuda.set_device(placement.device)
-    attempt = retry(
-        retry=retry_if_exception(_is_connection_error),
-        stop=stop_after_attempt(init_attempts()),
-        wait=wait_random_exponential(multiplier=0.5, max=10.0),
-        before_sleep=_log_retry,
-        reraise=True,
-    )(_init)
-    attempt(env, placement, datetime.timedelta(seconds=timeout_s))
     log.info("process_group_ready", backend=placement.backend, device=str(placement.device))
 
 

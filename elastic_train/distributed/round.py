@@ -82,7 +82,11 @@ def agree_round(store: Store, rank: int, world_size: int, timeout_s: float) -> s
         members_key = f"{PREFIX}/{generation}/members"
         if _wait(store, members_key, min(POLL_S, max(0.1, deadline - time.monotonic()))):
             members = store.get(members_key).decode().split(",")
-            if len(members) >= rank and members[rank - 1] == nonce:
+            # Our nonce proves a live rank 0 answered. It must also still be the announced one:
+            # an earlier round's rank 0 frozen inside this function and resumed could answer too,
+            # and this round's rank 0 overwrites its announcement.
+            current = int(store.get(f"{PREFIX}/announce").decode())
+            if len(members) >= rank and members[rank - 1] == nonce and current == generation:
                 log.debug("round_agreed", generation=generation)
                 return f"{PREFIX}/{generation}/"
             time.sleep(0.05)  # an earlier round's answer: wait for this round's rank 0 to announce

@@ -31,11 +31,18 @@ POLL_S = 0.5
 
 
 class ParentWatch:
-    def __init__(self, rank: int, poll_s: float = POLL_S, exit_fn: Callable[[int], Any] = os._exit) -> None:
+    def __init__(
+        self,
+        rank: int,
+        parent: int | None = None,
+        poll_s: float = POLL_S,
+        exit_fn: Callable[[int], Any] = os._exit,
+    ) -> None:
+        """``parent``: the launcher's pid as read at the process start (default: now)."""
         self.rank = rank
         self.poll_s = poll_s
         self._exit = exit_fn
-        self._parent = os.getppid()
+        self._parent = os.getppid() if parent is None else parent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -51,7 +58,7 @@ class ParentWatch:
             self._thread = None
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while True:  # checked at once too: the launcher may have died while we imported torch
             parent = os.getppid()
             if parent != self._parent:
                 log.error(
@@ -63,4 +70,6 @@ class ParentWatch:
                     detail="the launcher died (its workers are not signalled): exiting instead of training on",
                 )
                 self._exit(EXIT_ORPHANED)
+                return
+            if self._stop.wait(self.poll_s):
                 return

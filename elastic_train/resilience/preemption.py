@@ -12,7 +12,7 @@ Two kinds, told apart by the signal:
   next attempt's goodput accounting) and every process exits with ``EXIT_STOPPED`` (76).
 
 The handlers only record the request. At the next step boundary the ranks agree on it (see
-``trainer.StepBoundary``), so a signal that reached one rank stops all of them at the same step.
+``Trainer._step_boundary``), so a signal that reached one rank stops all of them at the same step.
 Repeated signals are ignored: Slurm and torchrun often deliver each signal twice.
 
 **The grace period.** A Python handler runs only when the main thread is back in the
@@ -20,8 +20,9 @@ interpreter. A rank blocked inside a collective (a dead NCCL peer, a frozen host
 in an all-reduce that never returns) never runs it, and the launcher would wait its whole
 shutdown timeout for SIGKILL, on every restart. ``StopGrace`` therefore watches the signals from
 a thread (CPython's C-level handler writes each signal number to a wakeup fd at once, whatever
-the main thread is doing): a rank that has not reached an agreed stop boundary ``--stop-grace``
-seconds after the first signal logs ``stop_grace_expired`` and exits with
+the main thread is doing): a rank that has neither reached an agreed stop boundary nor made any
+progress (a step, an evaluation batch, a checkpoint write) for ``--stop-grace`` seconds after the
+first signal logs ``stop_grace_expired`` and exits with
 ``EXIT_STOP_GRACE_EXPIRED`` (77). Nothing is lost: the last committed checkpoint stays
 ``latest``. Keep the grace above two step times (the boundary agreement runs one step behind)
 and well inside the launcher's shutdown timeout (torchrun: 30 s by default).
@@ -97,12 +98,16 @@ class StopGrace:
         self.grace_s = grace_s
         self.rank = rank
         self._exit = exit_fn
+        # ``time.monotonic()`` of the main thread's latest progress (a step, an evaluation batch,
+        # a checkpoint being written: the step watchdog's last beat), once training runs. The
+        # grace counts from the later of the signal and that progress: a rank that evaluates or
+        # saves for longer than the grace is not ended, one blocked in a collective is.
+        self.progress: Callable[[], float] | None = None
         self._disarmed = threading.Event()
         self._closed = threading.Event()
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._previous_fd = -1
         self._thread: threading.Thread | None = None
-        self.expired = False
 
     def install(self) -> None:
         """From the main thread, after the Python handlers are installed."""
@@ -112,6 +117,7 @@ class StopGrace:
         writer.setblocking(False)  # the C handler must never block
         self._sockets = (reader, writer)
         self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        _forget_wakeup_fd_in_children()
         self._thread = threading.Thread(target=self._watch, name="stop-grace", daemon=True)
         self._thread.start()
 
@@ -150,9 +156,16 @@ class StopGrace:
 
     def _watch(self) -> None:
         signum = self._first_signal()
-        if signum is None or self._disarmed.wait(self.grace_s) or self._closed.is_set():
+        if signum is None:
             return
-        self.expired = True
+        received = time.monotonic()
+        while True:
+            last = max(received, self.progress() if self.progress is not None else received)
+            left = last + self.grace_s - time.monotonic()
+            if left <= 0:
+                break
+            if self._disarmed.wait(left) or self._closed.is_set():
+                return
         log.error(
             "stop_grace_expired",
             rank=self.rank,
@@ -164,19 +177,31 @@ class StopGrace:
         self._exit(EXIT_STOP_GRACE_EXPIRED)
 
 
+_AT_FORK_REGISTERED = False
+
+
+def _forget_wakeup_fd_in_children() -> None:
+    """A forked child (a DataLoader worker) inherits the wakeup fd: a signal sent to it alone
+    would start its parent's grace period. Children drop it (their own stop is their parent's)."""
+    global _AT_FORK_REGISTERED
+    if not _AT_FORK_REGISTERED:
+        os.register_at_fork(after_in_child=_drop_wakeup_fd)
+        _AT_FORK_REGISTERED = True
+
+
+def _drop_wakeup_fd() -> None:
+    with contextlib.suppress(ValueError):  # forked from a thread other than the main one
+        signal.set_wakeup_fd(-1)
+
+
 class PreemptionFlag:
     """Set by a signal handler; read at step boundaries. Install from the main thread only."""
 
     def __init__(self, grace: StopGrace | None = None) -> None:
         self.signal_name: str | None = None
-        self.received_at: float | None = None
         self.kind = StopKind.NONE
         self.grace = grace
         self._previous: dict[int, Any] = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
 
     def install(self) -> None:
         for sig in SIGNALS:
@@ -202,7 +227,6 @@ class PreemptionFlag:
         if kind > self.kind:
             self.kind = kind
             self.signal_name = signal.Signals(signum).name
-            self.received_at = time.time()
 
 
 def write_marker(

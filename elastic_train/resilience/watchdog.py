@@ -50,6 +50,11 @@ class StepWatchdog:
         self._step = step
         self._phase = phase
 
+    @property
+    def last_progress(self) -> float:
+        """``time.monotonic()`` of the latest beat (also kept when the watchdog is off)."""
+        return self._last
+
     def alive(self, phase: str = "checkpoint") -> None:
         """Progress without a finished step (e.g. a large checkpoint being written)."""
         self._last = time.monotonic()
