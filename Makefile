@@ -22,8 +22,11 @@ demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m elastic_train --log-dir logs/demo --checkpoint-dir checkpoints/demo
 
 ## The whole test suite: unit + hypothesis, multi-process gloo, real torchrun runs.
+## Two test files at a time (-n 2 --dist loadfile): many tests wait on timers (hang timeouts,
+## Slurm requeues, rendezvous), so two lanes keep the 2-core machine busy; a file's tests stay
+## together on one worker (module fixtures, the one local Slurm node, network namespaces).
 test: $(STAMP) lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check elastic_train tests benchmarks jobs

@@ -24,35 +24,66 @@ def world_of_one() -> Iterator[None]:
     assert not dist.is_initialized()
 
 
-def test_connection_errors_during_init_are_retried_then_succeed(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real_init = dist.init_process_group
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> DistEnv:
+    """A world of one as torchrun would describe it (env://, a real TCPStore on loopback)."""
+    from tests.helpers import free_port
 
-    def flaky(*args: object, **kwargs: object) -> None:
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
+        monkeypatch.setenv(key, value)
+    return DistEnv(launched=True)
+
+
+def test_store_connection_errors_are_retried_then_succeed(monkeypatch: pytest.MonkeyPatch, launched: DistEnv) -> None:
+    calls: list[int] = []
+    real_connect = pg._connect_store
+
+    def flaky(timeout: object) -> object:
         calls.append(1)
         if len(calls) < 3:
             raise dist.DistNetworkError("Connection refused by the store")
-        real_init(*args, **kwargs)  # type: ignore[arg-type]
+        return real_connect(timeout)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(dist, "init_process_group", flaky)
+    monkeypatch.setattr(pg, "_connect_store", flaky)
     monkeypatch.setenv("ELASTIC_TRAIN_INIT_ATTEMPTS", "4")
-    with pg.process_group(DistEnv(), CPU, timeout_s=30):
+    with pg.process_group(launched, CPU, timeout_s=30):
         assert dist.get_world_size() == 1
     assert len(calls) == 3
 
 
-def test_init_gives_up_after_the_bounded_attempts_and_reraises(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_store_connection_gives_up_after_the_bounded_attempts_and_reraises(
+    monkeypatch: pytest.MonkeyPatch, launched: DistEnv
+) -> None:
     calls: list[int] = []
 
-    def down(*args: object, **kwargs: object) -> None:
+    def down(timeout: object) -> object:
         calls.append(1)
         raise dist.DistNetworkError("Connection refused")
 
-    monkeypatch.setattr(dist, "init_process_group", down)
+    monkeypatch.setattr(pg, "_connect_store", down)
     monkeypatch.setenv("ELASTIC_TRAIN_INIT_ATTEMPTS", "2")
-    with pytest.raises(dist.DistNetworkError), pg.process_group(DistEnv(), CPU, timeout_s=30):
+    with pytest.raises(dist.DistNetworkError), pg.process_group(launched, CPU, timeout_s=30):
         pass
     assert len(calls) == 2
+
+
+def test_the_group_itself_is_never_retried_alone(monkeypatch: pytest.MonkeyPatch, launched: DistEnv) -> None:
+    """Creating the group is collective: a rank retrying it alone would wait for peers that moved on."""
+    calls: list[int] = []
+
+    def fails(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise dist.DistNetworkError("Connection reset by peer")
+
+    monkeypatch.setattr(dist, "init_process_group", fails)
+    with pytest.raises(dist.DistNetworkError), pg.process_group(launched, CPU, timeout_s=30):
+        pass
+    assert len(calls) == 1
 
 
 def test_configuration_errors_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
