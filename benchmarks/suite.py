@@ -202,8 +202,10 @@ runs alternated; elastic-train with checkpointing on (async epoch-end saves).
 
 The paired ratios were {pairs}: on a 2-core machine the run-to-run noise is larger than the
 overhead, which is why only the median of pairs means anything. The per-step extras are a few
-device-side sums (no host sync) and an index digest on the CPU; nothing else runs per step
-unless a checkpoint is pending.
+device-side sums (no host sync), an index digest on the CPU, and the step-boundary agreement (stop
+requested? save due? shards durable?): a MAX all-reduce of three integers on a gloo group of its
+own, posted without waiting and collected at the next boundary, so it overlaps the step; it is
+synchronous only while an async save is in flight.
 
 ## Checkpoints: `benchmarks/checkpoint.py`
 
