@@ -138,7 +138,7 @@ def _async_save_probe(device: str, base: Path) -> int:
     with process_group(env, placement, 120):
         from elastic_train.checkpoint.manager import Checkpointer
 
-        control = ControlPlane(placement)
+        control = ControlPlane()
         bundle = build_data(cfg, env)
         faults = FaultInjector.from_environ(0, base / ".faults")
         ck = Checkpointer(checkpoint_config(cfg), env, faults, cfg.fingerprint(bundle.identity()), control.group)

@@ -142,7 +142,7 @@ def _train_in_group(
     clock: StartupClock,
 ) -> int:
     console = Console(env)
-    control = ControlPlane(placement)
+    control = ControlPlane()
     bundle = build_data(cfg, env)
     clock.mark("data")
     fingerprint = cfg.fingerprint(bundle.identity())

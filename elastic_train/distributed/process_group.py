@@ -214,7 +214,7 @@ class ControlPlane:
     rank must call these in the same order.
     """
 
-    def __init__(self, placement: Placement) -> None:
+    def __init__(self) -> None:
         group = dist.new_group(backend="gloo")
         self.group: dist.ProcessGroup | None = group if isinstance(group, dist.ProcessGroup) else None
         self._posted: tuple[dist.Work, torch.Tensor] | None = None
