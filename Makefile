@@ -21,7 +21,7 @@ demo: $(STAMP)
 	rm -rf logs/demo checkpoints/demo
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m elastic_train --log-dir logs/demo --checkpoint-dir checkpoints/demo
 
-## The whole test suite: unit + hypothesis, multi-process gloo, real torchrun runs.
+## The whole test suite, every layer folder (tests/unit, process, launch, slurm, netns; README "Development").
 ## Two test files at a time (-n 2 --dist loadfile): many tests wait on timers (hang timeouts,
 ## Slurm requeues, rendezvous), so two lanes keep the 2-core machine busy; a file's tests stay
 ## together on one worker (module fixtures, the one local Slurm node, network namespaces).
@@ -29,8 +29,8 @@ test: $(STAMP) lint
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check elastic_train tests benchmarks jobs
-	$(VENV)/bin/ruff format --check elastic_train tests benchmarks jobs
+	$(VENV)/bin/ruff check elastic_train tests benchmarks jobs examples
+	$(VENV)/bin/ruff format --check elastic_train tests benchmarks jobs examples
 	$(VENV)/bin/mypy
 
 ## Every benchmark (~30 minutes on 2 cores; run it on a quiet machine), then docs/benchmarks.md

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster on this machine, for the Slurm tests (tests/test_slurm.py).
+# A real single-node Slurm cluster on this machine, for the Slurm tests (tests/slurm/test_slurm.py).
 #
 #   sudo .ci/local-slurm.sh start    # install if missing, configure, start, wait until the node is idle
 #   sudo .ci/local-slurm.sh stop     # cancel jobs, stop the daemons this script started

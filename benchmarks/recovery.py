@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.elastic_harness import Agent, all_events, event_time, rendezvous_store, wait_for  # noqa: E402
+from elastic_train.testing.agents import Agent, all_events, event_time, rendezvous_store, wait_for  # noqa: E402
 
 LAUNCHER: dict[str, str] = {}  # ET_LAUNCHER for jobs/elastic-agent.sh, from --launcher
 

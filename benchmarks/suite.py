@@ -281,7 +281,7 @@ GPU_NOT_RUN = (
     "Not run yet: the machines this page was measured on have no GPU, and no GPU machine was lent "
     "to the session that wrote the script. Its CPU smoke mode (`--device cpu --quick`: gloo, bf16 on "
     "the CPU, tiny runs; the bf16 and async-save checks) runs in `make test` "
-    "(`tests/test_gpu_check.py`), so the script itself stays working."
+    "(`tests/launch/test_gpu_check.py`), so the script itself stays working."
 )
 
 

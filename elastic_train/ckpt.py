@@ -3,7 +3,7 @@
 * ``list CHECKPOINT_DIR``: every step folder (versions ``step-N-vK`` included), its state, where
   ``latest`` points, and the folders set aside (``.corrupt-*``, ``.abandoned-*``: never deleted).
 * ``verify DIR``: a step folder, or a checkpoint directory (then every committed checkpoint and
-  ``latest``); checks sizes and sha256 of every file. Exit 1 if anything is invalid.
+  ``latest``); checks sizes and sha256 of every file. Exit 1 (``ExitCode.CHECKPOINT_INVALID``) if anything is invalid.
 * ``inspect DIR``: step, epoch, world size, versions, tensors and bytes per file.
 * ``export DIR -o model.safetensors``: the model weights alone, consolidated into one file with
   plain parameter names, for inference (``model.load_state_dict(load_file(...))``).
@@ -29,8 +29,7 @@ from elastic_train.checkpoint.format import (
     step_folders,
     verify,
 )
-
-EXIT_INVALID = 1
+from elastic_train.outcome import ExitCode
 
 
 def _step_folder(path: Path) -> Path:
@@ -50,7 +49,7 @@ def cmd_list(root: Path) -> int:
     aside = aside_folders(root)
     if not folders and not aside:
         print(f"no checkpoints in {root}")
-        return 0
+        return ExitCode.OK
     for folder in folders:
         mark = " <- latest" if latest is not None and folder.resolve() == latest.resolve() else ""
         if not (folder / MANIFEST).exists():
@@ -70,7 +69,7 @@ def cmd_list(root: Path) -> int:
         print(f"{folder.name}  set aside ({reason}: {meaning}); ignored by resume and retention, delete by hand")
     if latest is not None and not latest.exists():
         print(f"latest -> {latest.name}: DANGLING")
-    return 0
+    return ExitCode.OK
 
 
 def cmd_verify(path: Path) -> int:
@@ -89,7 +88,7 @@ def cmd_verify(path: Path) -> int:
         except CheckpointInvalid as exc:
             bad += 1
             print(f"INVALID  {folder}: {exc}")
-    return EXIT_INVALID if bad else 0
+    return ExitCode.CHECKPOINT_INVALID if bad else ExitCode.OK
 
 
 def cmd_inspect(path: Path) -> int:
@@ -98,7 +97,7 @@ def cmd_inspect(path: Path) -> int:
         m = read_manifest(folder)
     except CheckpointInvalid as exc:
         print(f"INVALID  {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return ExitCode.CHECKPOINT_INVALID
     print(f"checkpoint   {folder}")
     print(f"step         {m.step} (epoch {m.epoch} done, {m.batch_in_epoch} batch(es) into the next)")
     print(f"world size   {m.world_size}")
@@ -117,7 +116,7 @@ def cmd_inspect(path: Path) -> int:
     for name, entry in sorted(m.files.items()):
         count = sum(1 for f in m.tensors.values() if f == name)
         print(f"  {name}  {entry.size} bytes, {count} tensors, sha256 {entry.sha256[:16]}...")
-    return 0
+    return ExitCode.OK
 
 
 def cmd_export(path: Path, output: Path) -> int:
@@ -131,17 +130,18 @@ def cmd_export(path: Path, output: Path) -> int:
         loaded = load(folder)
     except CheckpointInvalid as exc:
         print(f"INVALID  {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return ExitCode.CHECKPOINT_INVALID
     weights = {k[len(MODEL) :]: v.contiguous() for k, v in loaded.tensors.items() if k.startswith(MODEL)}
     fp = loaded.manifest.fingerprint
     metadata = {"source": str(folder), "step": str(loaded.manifest.step)}
     metadata.update({k: str(v) for k, v in fp.items()})
-    if loaded.manifest.trainer.get("history"):
-        metadata["val_acc"] = str(loaded.manifest.trainer["history"][-1]["val_acc"])
+    history = loaded.payload.app.get("history")  # the built-in trainer's (a custom loop may have none)
+    if history:
+        metadata["val_acc"] = str(history[-1]["val_acc"])
     output.parent.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file(weights, str(output), metadata=metadata)
     print(f"wrote {output}: {len(weights)} tensors from {folder}")
-    return 0
+    return ExitCode.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.dir.exists():
         print(f"error: {args.dir} does not exist", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     if args.command == "list":
         return cmd_list(args.dir)
     if args.command == "verify":

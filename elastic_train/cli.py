@@ -30,10 +30,20 @@ from typing import NoReturn
 import structlog
 
 from elastic_train import __version__
-from elastic_train.config import AMP_DTYPES, DATASETS, DEVICES, MODELS, OPTIMIZERS, TrainConfig
+from elastic_train.config import (
+    AMP_DTYPES,
+    DATASETS,
+    DEVICES,
+    MODEL_CHOICES,
+    OPTIMIZERS,
+    TORCHVISION_PREFIX,
+    TrainConfig,
+    is_model_name,
+)
 from elastic_train.distributed.env import DistEnv
-from elastic_train.errors import EXIT_OK, EXIT_USAGE, UsageError, report_usage_error
+from elastic_train.errors import UsageError, report_usage_error
 from elastic_train.logs import configure_logging, detach_rank_log
+from elastic_train.outcome import ExitCode
 
 log = structlog.get_logger(__name__)
 
@@ -44,12 +54,26 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message, f"see `{self.prog} --help`")
 
 
+def _model_flag(value: str) -> str:
+    # argparse's `choices` cannot say "or torchvision:NAME"; same wording as a choices error.
+    if not is_model_name(value):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {MODEL_CHOICES})")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = _Parser(prog="elastic-train", description="Fault-tolerant, elastic DDP training.")
     p.add_argument("--version", action="version", version=f"elastic-train {__version__}")
     seed = p.add_argument_group("training (the seed's flags)")
-    seed.add_argument("--model", choices=MODELS, default=d.model)
+    seed.add_argument(
+        "--model",
+        type=_model_flag,
+        default=d.model,
+        metavar="MODEL",
+        help="vit or resnet18 (sized for small images), or torchvision:NAME for any torchvision classification "
+        "model (random initial weights, never downloaded), e.g. torchvision:mobilenet_v3_small",
+    )
     seed.add_argument("--dataset", choices=DATASETS, default=d.dataset)
     seed.add_argument(
         "--batch-size",
@@ -85,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="deterministic kernels only (cuBLAS workspace, no cuDNN autotuning): bitwise-reproducible GPU runs",
     )
     ours = p.add_argument_group("runtime")
+    ours.add_argument(
+        "--task",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="train a plug-in task instead of the built-in image classification: a function "
+        "(TrainConfig) -> elastic_train.Task, importable from the working directory or PYTHONPATH "
+        "(--model and --dataset are then the task's business); see docs/api.md",
+    )
     ours.add_argument("--data-dir", type=Path, default=None)
     ours.add_argument("--device", choices=DEVICES, default=d.device)
     ours.add_argument("--log-dir", type=Path, default=d.log_dir)
@@ -155,7 +187,9 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
 
 def check_inputs(cfg: TrainConfig) -> None:
     """What can be checked on disk before any process group or import of torch: every rank
-    checks the same paths (shared storage), so every rank fails alike, within a second."""
+    checks the same paths (shared storage), so every rank fails alike, within a second.
+    A ``torchvision:NAME`` model is looked up in torchvision's registry here too: that run
+    imports torch a little earlier, nothing more."""
     if cfg.data_dir is not None and not cfg.data_dir.is_dir():
         what = "does not exist" if not cfg.data_dir.exists() else "is not a folder"
         raise UsageError(
@@ -167,6 +201,14 @@ def check_inputs(cfg: TrainConfig) -> None:
             f"--resume {cfg.resume} does not exist",
             "pass a checkpoint folder (e.g. checkpoints/step-00000100 or checkpoints/latest), auto or never",
         )
+    if cfg.task is not None:
+        from elastic_train.task import load_task_factory
+
+        load_task_factory(cfg.task)  # imports the module: a typo fails here, on every rank alike
+    if cfg.model.startswith(TORCHVISION_PREFIX):
+        from elastic_train.models import registry_name
+
+        registry_name(cfg.model)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,19 +225,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_inputs(cfg)
         from elastic_train.run import train  # the torch-heavy part
 
-        code = train(cfg, env, launcher_pid) or EXIT_OK
+        code = train(cfg, env, launcher_pid) or ExitCode.OK
         return code
     except UsageError as exc:
-        code = EXIT_USAGE
+        code = ExitCode.USAGE
         report_usage_error(exc, env)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     except Exception:
         code = 1
         log.exception("crashed")
         raise
     finally:
         detach_rank_log()
-        if code == EXIT_USAGE and env is not None and env.launched:
+        if code == ExitCode.USAGE and env is not None and env.launched:
             _settle_before_usage_exit()
 
 

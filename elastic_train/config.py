@@ -17,7 +17,9 @@ from typing import Any
 
 from elastic_train.errors import UsageError
 
-MODELS = ("vit", "resnet18")
+MODELS = ("vit", "resnet18")  # built in; any torchvision classifier as torchvision:NAME (models.py)
+TORCHVISION_PREFIX = "torchvision:"
+MODEL_CHOICES = "vit, resnet18 or torchvision:NAME"
 DATASETS = ("synthetic", "digits", "tiny-imagenet", "imagefolder")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
@@ -25,9 +27,25 @@ AMP_DTYPES = ("auto", "bf16", "fp16")
 DATASETS_NEEDING_DIR = ("tiny-imagenet", "imagefolder")
 # Settings that define the model's shape and the order of the data (the global batch sequence):
 # a checkpoint only continues a run that shares them.
-FINGERPRINT = ("model", "dataset", "image_size", "batch_size", "optimizer", "seed", "max_steps_per_epoch")
+FINGERPRINT = (
+    "task",
+    "model",
+    "dataset",
+    "image_size",
+    "batch_size",
+    "optimizer",
+    "seed",
+    "max_steps_per_epoch",
+)
 # Prefix of the dataset's identity in the fingerprint (``DataBundle.identity``).
 DATA_KEY = "data."
+
+
+def is_model_name(model: str) -> bool:
+    """A built-in model, or ``torchvision:`` and a registry-style name. Whether torchvision has
+    that model is checked where torchvision is imported (``models.registry_name``)."""
+    name = model.removeprefix(TORCHVISION_PREFIX)
+    return model in MODELS or (name != model and name.isascii() and name.replace("_", "").isalnum())
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,7 @@ class TrainConfig:
     amp_dtype: str = "auto"  # auto: bf16 where supported, else fp16 with loss scaling
     deterministic: bool = False  # deterministic kernels (bitwise-reproducible GPU runs; slower)
     # Ours.
+    task: str | None = None  # package.module:function returning an elastic_train.Task; None: images
     data_dir: Path | None = None
     device: str = "auto"
     log_dir: Path = field(default_factory=lambda: Path("logs"))
@@ -70,7 +89,11 @@ class TrainConfig:
     async_checkpoint: bool = True
 
     def __post_init__(self) -> None:
-        self._check_choice("--model", self.model, MODELS)
+        if not is_model_name(self.model):
+            raise UsageError(
+                f"--model {self.model!r} is not one of {MODEL_CHOICES}",
+                "pick a built-in model, or a torchvision classification model such as torchvision:mobilenet_v3_small",
+            )
         self._check_choice("--dataset", self.dataset, DATASETS)
         self._check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         self._check_choice("--device", self.device, DEVICES)

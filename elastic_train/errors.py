@@ -1,11 +1,8 @@
-"""Error types that map to process exit codes.
+"""Error types that map to process exit codes (the codes themselves: ``elastic_train.outcome``).
 
-The exit code is the contract with whoever launched us (a shell, torchrun, an sbatch script):
-
-* ``EXIT_OK`` (0): training finished (target reached, patience exhausted or all epochs done).
-* ``EXIT_USAGE`` (2): bad flags, bad environment or bad input data. Retrying will not help, so
-  every rank exits with this code before any training step and before anything on disk changes.
-* anything else: a crash; torchrun may restart the group.
+A ``UsageError`` (bad flags, bad environment or bad input data) ends every rank with
+``ExitCode.USAGE`` (2) before any training step and before anything on disk changes: retrying
+will not help. Any other exception is a crash; torchrun may restart the group.
 """
 
 from __future__ import annotations
@@ -13,8 +10,12 @@ from __future__ import annotations
 import sys
 from typing import Protocol
 
-EXIT_OK = 0
-EXIT_USAGE = 2
+from elastic_train.outcome import ExitCode
+
+# The names run.py imported before elastic_train.outcome existed: kept only until its rewrite
+# imports ExitCode itself. Do not use them in new code.
+EXIT_OK = ExitCode.OK
+EXIT_USAGE = ExitCode.USAGE
 
 
 class UsageError(Exception):

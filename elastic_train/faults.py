@@ -7,7 +7,8 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
 * ``raise``: raise ``InjectedFault`` at the start of step S.
 * ``preempt``: send this process SIGUSR1 at the start of step S, as a scheduler's preemption
   notice would; the trainer stops at the next step boundary the ranks agree on.
-* ``kill_in_save`` / ``enospc``: consumed by the checkpoint writer (``fires(kind, step)``).
+* ``kill_in_save`` (``:stage=before_shard|after_shard|after_manifest``) / ``enospc``: fired by
+  the checkpoint writer's save hooks (``CheckpointFaults``, passed to ``Checkpointer(hooks=)``).
 
 A fault fires once per run, across restarts: before firing it leaves a marker file in the
 marker directory (beside the run's persistent state), and a marked fault never fires again.
@@ -16,6 +17,7 @@ With ``:always`` it fires on every attempt, e.g. to exhaust torchrun's restart b
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -140,3 +142,19 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGUSR1)
             else:
                 raise InjectedFault(f"injected fault: raise at step {step}")
+
+
+class CheckpointFaults:
+    """The ``kill_in_save`` and ``enospc`` faults as the checkpoint writer's save hooks
+    (``checkpoint.manager.SaveHooks``): a SIGKILL of this process at a stage of the save, or a
+    full disk just before a shard is renamed into place."""
+
+    def __init__(self, injector: FaultInjector) -> None:
+        self.injector = injector
+
+    def on_save(self, stage: str, step: int, path: Path) -> None:
+        if stage == "before_rename":
+            if self.injector.fires("enospc", step):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        elif self.injector.fires("kill_in_save", step, stage=stage):
+            os.kill(os.getpid(), signal.SIGKILL)

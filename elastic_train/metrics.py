@@ -14,7 +14,7 @@ i and i^2 modulo a prime, collided for swaps such as {0, 4, 5} vs {1, 2, 6}.)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -64,9 +64,9 @@ class MetricSums:
         # collectives support), on the CPU where the indices live.
         self.digest = torch.zeros(2, dtype=torch.int64)
 
-    def add_batch(self, logits: torch.Tensor, labels: torch.Tensor, mean_loss: torch.Tensor) -> None:
-        count = labels.shape[0]
-        correct = (logits.argmax(dim=1) == labels).sum()
+    def add_batch(self, correct: torch.Tensor, count: int, mean_loss: torch.Tensor) -> None:
+        """``correct``: how many of the batch's ``count`` samples count as correct (a tensor on
+        the device: no sync); ``mean_loss``: the batch's mean loss."""
         batch = torch.stack(
             [
                 correct.to(torch.float64),
@@ -143,14 +143,19 @@ class EpochRecord:
     sample_digest: str
     val_samples: int
     step: int  # global optimizer steps completed at the end of the epoch
+    val_metrics: dict[str, float] = field(default_factory=dict)  # a task's extra metrics, per val sample
 
-    def console_line(self, epochs: int) -> str:
-        """The seed's epoch line, same fields and number formats."""
+    def console_line(self, epochs: int, unit: str = "img") -> str:
+        """The seed's epoch line, same fields and number formats (``unit``: what a sample is)."""
         return (
             f"Epoch {self.epoch}/{epochs}: time={self.epoch_time:.3f}s, train_loss={self.train_loss:.4f}, "
             f"train_acc={self.train_acc:.4f}, val_loss={self.val_loss:.4f}, val_acc={self.val_acc:.4f}, "
-            f"throughput={self.throughput:.1f} img/s"
+            f"throughput={self.throughput:.1f} {unit}/s"
+            + "".join(f", {name}={value:.4f}" for name, value in self.val_metrics.items())
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if not self.val_metrics:
+            del out["val_metrics"]  # the seed's tasks have none: their lines stay as they were
+        return out

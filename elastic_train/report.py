@@ -26,11 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_train.errors import EXIT_OK, EXIT_USAGE
 from elastic_train.logs import parse_timestamp
+from elastic_train.outcome import ExitCode, RestartCause
 
 EPOCH_KEYS = ("train_loss", "train_acc", "val_loss", "val_acc", "throughput", "world_size")
-CAUSE_COLORS = {"failure": "tab:red", "hang": "tab:purple", "preemption": "tab:orange", "stop": "tab:blue"}
+CAUSE_COLORS = {
+    RestartCause.FAILURE.value: "tab:red",
+    RestartCause.HANG.value: "tab:purple",
+    RestartCause.PREEMPTION.value: "tab:orange",
+    RestartCause.STOP.value: "tab:blue",
+}
 
 
 def _time(event: dict[str, Any]) -> float:
@@ -80,7 +85,7 @@ class Run:
         return finished[-1] if finished else None
 
     def restart_causes(self) -> Counter[str]:
-        return Counter(str(e.get("cause", "failure")) for e in self.named("recovery", rank=0))
+        return Counter(str(e.get("cause", RestartCause.FAILURE.value)) for e in self.named("recovery", rank=0))
 
 
 def load_run(log_dir: Path) -> Run:
@@ -184,7 +189,7 @@ def _draw_timeline(run: Run, ax: Any) -> None:
         seen.add(label)
 
     for e in run.named("recovery", rank=0):
-        cause = str(e.get("cause", "failure"))
+        cause = str(e.get("cause", RestartCause.FAILURE.value))
         mark(e, CAUSE_COLORS.get(cause, "tab:red"), f"restart ({cause})")
     for e in run.named("preempted", rank=0):
         mark(e, "tab:orange", "preemption signal", ":")
@@ -214,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = load_run(args.log_dir)
     except FileNotFoundError as exc:
         print(f"elastic-train report: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     for line in summary_lines(run):
         print(line)
     output = args.output or args.log_dir / "report.png"
@@ -228,9 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(the summary above needs nothing)",
             file=sys.stderr,
         )
-        return EXIT_USAGE
+        return ExitCode.USAGE
     print(f"Report: {output}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

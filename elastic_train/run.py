@@ -6,7 +6,6 @@ per-worker error file, so torchrun's failure summary names the rank and the root
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -15,30 +14,30 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train import __version__
+from elastic_train.boundary import SavePolicy, StepBoundary
 from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Loaded, should_manage_checkpoints
 from elastic_train.config import TrainConfig
-from elastic_train.data import build_data
+from elastic_train.data import open_task_data
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.process_group import ControlPlane, Placement, choose_placement, process_group
-from elastic_train.errors import EXIT_OK, EXIT_USAGE, UsageError, report_usage_error
-from elastic_train.faults import FaultInjector
-from elastic_train.logs import Console, attach_rank_log, parse_timestamp
-from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
-from elastic_train.resilience.orphan import ParentWatch
-from elastic_train.resilience.preemption import (
-    MARKER as PREEMPTED_MARKER,
-)
-from elastic_train.resilience.preemption import (
-    STOP_MARKER,
-    Preempted,
-    PreemptionFlag,
-    StopGrace,
-    StopKind,
-    clear_marker,
+from elastic_train.errors import UsageError, report_usage_error
+from elastic_train.faults import CheckpointFaults, FaultInjector
+from elastic_train.image_classification import image_task
+from elastic_train.logs import Console, attach_rank_log, configure_logging
+from elastic_train.outcome import (
+    ExitCode,
+    RestartCause,
+    clear_markers,
+    previous_exit_cause,
+    stop_marker,
     write_marker,
 )
+from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
+from elastic_train.resilience.orphan import ParentWatch
+from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopGrace, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.startup import StartupClock
+from elastic_train.task import Task, build_task
 from elastic_train.trainer import Trainer
 
 log = structlog.get_logger(__name__)
@@ -72,14 +71,22 @@ def _tune_cuda(placement: Placement, deterministic: bool) -> None:
 
 def checkpoint_config(cfg: TrainConfig) -> CheckpointConfig:
     return CheckpointConfig(
-        root=cfg.checkpoint_dir,
-        every_steps=cfg.checkpoint_every,
-        every_seconds=cfg.checkpoint_every_seconds,
-        keep_last=cfg.keep_last,
-        resume=cfg.resume,
-        async_save=cfg.async_checkpoint,
-        hang_timeout=cfg.hang_timeout,
+        root=cfg.checkpoint_dir, keep_last=cfg.keep_last, resume=cfg.resume, hang_timeout=cfg.hang_timeout
     )
+
+
+def choose_task(cfg: TrainConfig) -> Task:
+    """``--task`` (a plug-in) or the built-in image classification of ``--model``/``--dataset``."""
+    return build_task(cfg.task, cfg) if cfg.task is not None else image_task(cfg)
+
+
+def run_fingerprint(cfg: TrainConfig, task: Task, identity: dict[str, object], builtin: bool) -> dict[str, object]:
+    """What a resumed run must share with its checkpoint: the settings, the data, the task's own
+    (and its name, unless it is the built-in image task, whose fingerprint predates tasks)."""
+    own = {f"task.{key}": value for key, value in task.fingerprint.items()}
+    if not builtin:
+        own["task.name"] = task.name
+    return {**cfg.fingerprint(identity), **own}
 
 
 def _announce_resume(console: Console, loaded: Loaded, cfg: TrainConfig) -> None:
@@ -104,10 +111,19 @@ def _announce_resume(console: Console, loaded: Loaded, cfg: TrainConfig) -> None
 
 
 @record
-def train(cfg: TrainConfig, env: DistEnv, launcher_pid: int | None = None) -> int:
-    """The whole run in this process. Bad input (flags, data, checkpoints) returns ``EXIT_USAGE``
-    on every rank with one message and no traceback: it is agreed collectively where it is found
-    (data, checkpoints), so no rank raises past ``@record`` and gets its peers SIGTERMed."""
+def train(
+    cfg: TrainConfig, env: DistEnv | None = None, launcher_pid: int | None = None, task: Task | None = None
+) -> int:
+    """The whole run in this process; returns its exit code (``outcome.ExitCode``).
+
+    ``env`` defaults to the launcher's environment (torchrun's, or a world of one); ``task``
+    overrides ``cfg.task`` and the built-in image task. Bad input (flags, data, checkpoints)
+    returns ``USAGE`` on every rank with one message and no traceback: it is agreed collectively
+    where it is found (data, checkpoints), so no rank raises past ``@record`` and gets its peers
+    SIGTERMed."""
+    if env is None:  # called as a library function, not from the command line
+        env = DistEnv.from_environ()
+        configure_logging(env)
     clock = StartupClock()
     clock.mark("interpreter_and_imports")
     if env.launched:
@@ -125,11 +141,11 @@ def train(cfg: TrainConfig, env: DistEnv, launcher_pid: int | None = None) -> in
         _tune_cuda(placement, cfg.deterministic)
         with process_group(env, placement, cfg.collective_timeout):
             clock.mark("process_group")
-            return _train_in_group(cfg, env, placement, faults, preemption, threads, clock)
+            return _train_in_group(cfg, env, placement, faults, preemption, threads, clock, task)
     except UsageError as exc:
         report_usage_error(exc, env)
-        log.error("exit", code=EXIT_USAGE, reason="bad input", error=str(exc))
-        return EXIT_USAGE
+        log.error("exit", code=ExitCode.USAGE, reason="bad input", error=str(exc))
+        return ExitCode.USAGE
 
 
 def _train_in_group(
@@ -140,13 +156,16 @@ def _train_in_group(
     preemption: PreemptionFlag,
     threads: int,
     clock: StartupClock,
+    task: Task | None,
 ) -> int:
     console = Console(env)
     control = ControlPlane()
-    bundle = build_data(cfg, env)
+    builtin = task is None and cfg.task is None
+    task = task if task is not None else choose_task(cfg)
+    data = open_task_data(task, cfg, env)
     clock.mark("data")
-    fingerprint = cfg.fingerprint(bundle.identity())
-    checkpointer = Checkpointer(checkpoint_config(cfg), env, faults, fingerprint, control.group)
+    fingerprint = run_fingerprint(cfg, task, data.identify(), builtin)
+    checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint, control.group, CheckpointFaults(faults))
     checkpointer.start()
     try:
         loaded = checkpointer.resume()
@@ -162,16 +181,24 @@ def _train_in_group(
         )
         tracker = _progress_tracker(cfg, env, loaded)
         if should_manage_checkpoints(env):
-            clear_marker(cfg.checkpoint_dir)  # a preemption marker describes the previous attempt
+            clear_markers(cfg.checkpoint_dir)  # read by _progress_tracker: they described the previous attempt
         if loaded is not None and loaded.manifest.finished:
             console.line(f"Training already finished: {loaded.folder} (epoch {loaded.manifest.epoch}); nothing to do.")
             console.line("Training completed successfully.")
-            return EXIT_OK
-        watchdog = StepWatchdog(cfg.hang_timeout, env.rank)
+            return ExitCode.OK
+        watchdog = StepWatchdog(cfg.hang_timeout, env.rank, marker_dir=cfg.checkpoint_dir)
         checkpointer.heartbeat = watchdog.alive
         if preemption.grace is not None:
             preemption.grace.progress = lambda: watchdog.last_progress
-        trainer = Trainer(cfg, env, placement, bundle, faults, checkpointer, control, preemption, watchdog, tracker)
+        boundary = StepBoundary(
+            checkpointer,
+            control,
+            SavePolicy(cfg.checkpoint_every, cfg.checkpoint_every_seconds),
+            preemption,
+            async_save=cfg.async_checkpoint,
+            is_main=env.is_main,
+        )
+        trainer = Trainer(cfg, env, placement, task, data, faults, boundary, watchdog, tracker)
         if loaded is not None:
             trainer.restore(loaded)
             _announce_resume(console, loaded, cfg)
@@ -204,38 +231,13 @@ def _train_in_group(
         lost_s=acct.lost_s,
         recomputed_steps=acct.recomputed_steps,
     )
-    return EXIT_OK
-
-
-def _previous_exit_cause(cfg: TrainConfig, since: float) -> str:
-    """Why the previous attempt ended: its preemption marker, a watchdog report, or a failure."""
-    if (cfg.checkpoint_dir / PREEMPTED_MARKER).exists():
-        return "preemption"
-    if (cfg.checkpoint_dir / STOP_MARKER).exists():
-        return "stop"  # the launcher stopped the workers: a restart for a peer or a membership change
-    for path in cfg.log_dir.glob("rank-*.jsonl"):
-        with path.open("rb") as fh:
-            fh.seek(max(0, path.stat().st_size - 65536))
-            tail = fh.read().decode("utf-8", "replace")
-        if '"hang_detected"' in tail and any(
-            '"hang_detected"' in line and _after(line, since) for line in tail.splitlines()
-        ):
-            return "hang"
-    return "failure"
-
-
-def _after(line: str, since: float) -> bool:
-    try:
-        at = parse_timestamp(json.loads(line)["timestamp"])
-    except (ValueError, KeyError):
-        return False
-    return at is not None and at >= since - 1
+    return ExitCode.OK
 
 
 def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None) -> ProgressTracker:
     """The job's goodput bookkeeping: inherited from the checkpoint, plus this recovery if any."""
     previous = read_progress(cfg.checkpoint_dir) if loaded is not None else None
-    saved = loaded.manifest.trainer.get("accounting") if loaded is not None else None
+    saved = loaded.payload.accounting if loaded is not None else None
     if saved:
         accounting = Accounting.from_json(saved)
     else:
@@ -243,7 +245,10 @@ def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None) -> 
     tracker = ProgressTracker(cfg.checkpoint_dir, accounting, enabled=should_manage_checkpoints(env))
     if loaded is not None and not loaded.manifest.finished:
         since = float(previous["time"]) if previous else 0.0
-        cause = _previous_exit_cause(cfg, since) if should_manage_checkpoints(env) else "failure"
+        # Before clear_markers (the caller's next step): the markers say how that attempt ended.
+        cause = (
+            previous_exit_cause(cfg.checkpoint_dir, since) if should_manage_checkpoints(env) else RestartCause.FAILURE
+        )
         tracker.begin_recovery(cause, loaded.manifest.step, previous)
         log.info(
             "recovery",
@@ -258,7 +263,7 @@ def _exit_preempted(cfg: TrainConfig, env: DistEnv, console: Console, flag: Pree
     signal_name = flag.signal_name or "a peer's signal"
     code = exc.kind.exit_code
     if should_manage_checkpoints(env):
-        write_marker(cfg.checkpoint_dir, exc.step, signal_name, exc.committed, exc.kind)
+        write_marker(cfg.checkpoint_dir, stop_marker(exc.kind.cause, exc.step, signal_name, exc.committed))
     state = "checkpoint committed" if exc.committed else "CHECKPOINT FAILED (the previous one is kept)"
     what = "Preempted" if exc.kind is StopKind.PREEMPT else "Stopped"
     console.line(f"{what} by {signal_name} at step {exc.step}: {state}; exiting with code {code}")

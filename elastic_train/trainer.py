@@ -3,6 +3,11 @@
 Readable top to bottom: ``fit`` runs epochs; ``train_epoch`` runs steps; ``evaluate`` runs the
 validation shard. Every collective (metric reductions, the early-stop broadcast) is issued by
 all ranks in the same order; nothing a single rank decides alone can gate one.
+
+The trainer is built from the library's public pieces only (``elastic_train.__all__``): a
+``Task`` says what to train, the ``GlobalBatchSampler`` what each rank reads, ``StepBoundary``
+what happens between steps, ``capture``/``restore`` what a checkpoint holds. A custom loop can
+do everything it does (examples/char_lm.py).
 """
 
 from __future__ import annotations
@@ -10,7 +15,10 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import numpy as np
 import structlog
@@ -18,31 +26,23 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_train.checkpoint.manager import Checkpointer, Loaded, Snapshot
-from elastic_train.checkpoint.state import (
-    MODEL,
-    capture_rng,
-    flatten,
-    load_state_dicts,
-    rank_items,
-    restore_rng,
-    state_dicts,
-    unflatten,
-)
+from elastic_train.boundary import Decision, StepBoundary
+from elastic_train.checkpoint.manager import Loaded
+from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
 from elastic_train.config import TrainConfig
-from elastic_train.data import DataBundle, make_loaders
+from elastic_train.data import make_loaders
 from elastic_train.distributed.env import DistEnv
-from elastic_train.distributed.process_group import ControlPlane, Placement, all_reduce_max
+from elastic_train.distributed.process_group import Placement, all_reduce_max, all_reduce_sum
 from elastic_train.early_stop import EarlyStopper, decide_stop
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, file_only
 from elastic_train.metrics import EpochRecord, MetricSums, Totals
-from elastic_train.models import build_model
 from elastic_train.precision import Precision, choose_precision
 from elastic_train.progress import ProgressBar
 from elastic_train.resilience.goodput import ProgressTracker
-from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
+from elastic_train.resilience.preemption import Preempted
 from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.task import ExtraState, Task, TaskData
 
 log = structlog.get_logger(__name__)
 
@@ -90,6 +90,28 @@ class TrainState:
 
 
 @dataclass(frozen=True)
+class TrainerCheckpoint:
+    """The trainer's own JSON state in a checkpoint (``Payload.app``)."""
+
+    early_stop: dict[str, Any]
+    history: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"early_stop": self.early_stop, "history": self.history}
+
+    @classmethod
+    def from_json(cls, app: Mapping[str, Any]) -> TrainerCheckpoint:
+        try:
+            return cls(early_stop=dict(app["early_stop"]), history=list(app["history"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"checkpoint has no trainer state ({exc!r}): written by a custom loop?") from None
+
+
+# Per-rank checkpoint tensors of a partly trained epoch.
+TRAIN_SUMS, TRAIN_DIGEST, ELAPSED = "metrics.train_sums", "metrics.train_digest", "metrics.elapsed"
+
+
+@dataclass(frozen=True)
 class Summary:
     total_time: float
     throughput: float
@@ -99,12 +121,13 @@ class Summary:
     stopped_early: bool
     final_val_acc: float
     productive_time: float = 0.0  # training time of every epoch of the run, each step once
+    samples_are: str = "images"
 
     def console_lines(self) -> list[str]:
         return [
             "Training Summary:",
             f"Total training time: {self.total_time:.3f} seconds",
-            f"Throughput: {self.throughput:.3f} images/second",
+            f"Throughput: {self.throughput:.3f} {self.samples_are}/second",
             f"Total GPUs used: {self.gpus}",
             f"Total processes used: {self.processes}",
         ]
@@ -116,40 +139,42 @@ class Trainer:
         cfg: TrainConfig,
         env: DistEnv,
         placement: Placement,
-        bundle: DataBundle,
-        faults: FaultInjector,
-        checkpointer: Checkpointer | None = None,
-        control: ControlPlane | None = None,
-        preemption: PreemptionFlag | None = None,
+        task: Task,
+        data: TaskData,
+        faults: FaultInjector | None = None,
+        boundary: StepBoundary | None = None,
         watchdog: StepWatchdog | None = None,
         tracker: ProgressTracker | None = None,
     ) -> None:
-        self.cfg, self.env, self.placement, self.bundle = cfg, env, placement, bundle
-        self.checkpointer = checkpointer
-        self.control = control
-        self.preemption = preemption
+        self.cfg, self.env, self.placement, self.task, self.data = cfg, env, placement, task, data
+        self.boundary = boundary
+        self.checkpointer = boundary.checkpointer if boundary is not None else None
         self.watchdog = watchdog
         self.tracker = tracker
         self.device = placement.device
         self.console = Console(env)
         self.metrics_file = MetricsFile(cfg.log_dir, env)
-        self.faults = faults
+        self.faults = faults if faults is not None else FaultInjector([], env.rank, cfg.checkpoint_dir / ".faults")
         self.progress = ProgressBar.for_terminal(env.is_main)
-        self.train_loader, self.sampler, self.val_loader = make_loaders(bundle, cfg, env, placement.is_cuda)
+        self.train_loader, self.sampler, self.val_loader = make_loaders(data, cfg, env, placement.is_cuda)
 
         # Same initial weights on every rank and for every world size; DDP also broadcasts
         # rank 0's. Then the seed's `seed + rank` for everything random during training.
         seed_everything(cfg.seed)
-        module = build_model(cfg.model, bundle.num_classes, bundle.image_size).to(self.device)
+        module = task.model(data).to(self.device)
         self.module = module
+        self.extra: ExtraState | None = task.extra_state(module) if task.extra_state is not None else None
         self.model = DistributedDataParallel(
             module, device_ids=[self.device.index] if placement.is_cuda else None, gradient_as_bucket_view=True
         )
         seed_everything(cfg.seed + env.rank)
-        self.criterion = nn.CrossEntropyLoss()
-        self.optimizer = build_optimizer(cfg, module)
+        self.optimizer = task.optimizer(module) if task.optimizer is not None else build_optimizer(cfg, module)
         self.total_steps = cfg.epochs * self.sampler.batches_per_epoch
-        self.scheduler = build_schedule(cfg, self.optimizer, self.total_steps)
+        self.scheduler = (
+            task.scheduler(self.optimizer, self.total_steps)
+            if task.scheduler is not None
+            else build_schedule(cfg, self.optimizer, self.total_steps)
+        )
         self.precision: Precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
         self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
         self.state = TrainState()
@@ -157,15 +182,8 @@ class Trainer:
         self._resumed_sums: MetricSums | None = None
         self._stepped = False
         self._resumed_elapsed = 0.0
-        shape = (1, 3, 1, 1)
-        self._mean = torch.tensor(bundle.mean, device=self.device).view(shape)
-        self._std = torch.tensor(bundle.std, device=self.device).view(shape)
 
     # ------------------------------------------------------------------ one step
-    def _inputs(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = images.to(self.device, non_blocking=True).float().div_(255.0).sub_(self._mean).div_(self._std)
-        return x, labels.to(self.device, non_blocking=True)
-
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on this rank's share of a global batch; DDP averages the gradients.
 
@@ -174,17 +192,19 @@ class Trainer:
         at any world size. The returned loss is the unweighted mean, for the metric sums.
         """
         with self.precision.autocast():
-            logits = self.model(x)
-            loss = self.criterion(logits, y)
+            outputs = self.model(x)
+            loss = self.task.loss(outputs, y)
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.precision.scaler
-        scaler.scale(loss * self.sampler.loss_weight(y.shape[0])).backward()
+        scaler.scale(loss * self.sampler.loss_weight(y.shape[0])).backward()  # type: ignore[no-untyped-call]
         if self.checkpointer is not None:
             self.checkpointer.wait_staged()  # an async save may still be copying the weights
         scaler.step(self.optimizer)
         scaler.update()
         self.scheduler.step()
-        return logits.detach(), loss.detach()
+        if self.extra is not None:
+            self.extra.after_step(self.state.step + 1)
+        return outputs.detach(), loss.detach()
 
     # ------------------------------------------------------------------ epochs
     def train_epoch(self, epoch: int) -> tuple[Totals, float]:
@@ -195,11 +215,11 @@ class Trainer:
         self._resumed_sums, self._resumed_elapsed = None, 0.0
         self.progress.start(f"Epoch {epoch + 1}/{self.cfg.epochs}", self.sampler.batches_per_epoch)
         start = time.perf_counter()
-        for images, labels, indices in self.train_loader:
+        for *batch, indices in self.train_loader:
             self.faults.at_step(self.state.step + 1)
-            x, y = self._inputs(images, labels)
-            logits, loss = self.train_step(x, y)
-            sums.add_batch(logits, y, loss)
+            x, y = self.task.to_device(batch, self.device)
+            outputs, loss = self.train_step(x, y)
+            sums.add_batch(self.task.correct(outputs, y), y.shape[0], loss)
             sums.add_indices(indices)
             self.state.step += 1
             self.state.batch_in_epoch += 1
@@ -211,143 +231,89 @@ class Trainer:
                 self.watchdog.beat(self.state.step)
             if self.tracker is not None:
                 self.tracker.on_step(self.state.step)
-            last = self.state.batch_in_epoch >= self.sampler.batches_per_epoch
-            self._step_boundary(sums, prior + time.perf_counter() - start, last)
+            self._after_step(sums, prior + time.perf_counter() - start)
         if self.placement.is_cuda:
             torch.cuda.synchronize(self.device)
         elapsed = prior + time.perf_counter() - start
         self.progress.close()
         return sums.reduce(), all_reduce_max(elapsed, self.device)
 
-    def _step_boundary(self, sums: MetricSums, elapsed: float, last: bool = False) -> None:
-        """Between two steps: stop requests, committing a finished async save, starting a due one.
-
-        Collective. The ranks agree on [stop kind requested anywhere, rank 0 says a timed save
-        is due, some rank's shard is not durable yet] with a MAX all-reduce that is posted here
-        and collected at the next boundary (``ControlPlane``): it overlaps the next step, and
-        every rank acts on the same answer at the same step. ``last`` (the epoch's final step)
-        collects without posting: the epoch end agrees synchronously.
-        """
-        ck = self.checkpointer
-        if ck is None or self.control is None:
+    def _after_step(self, sums: MetricSums, elapsed: float) -> None:
+        """The step boundary (``boundary.StepBoundary``): stop, commit and save decisions."""
+        if self.boundary is None:
             return
-        # Nothing posted yet (the first step of this process or epoch): no stop, no commit.
-        stop, time_due, not_done = self.control.collect() or (StopKind.NONE, 0, 1)
-        if stop:
-            self._stop_for_preemption(sums, elapsed, StopKind(stop))
-        if ck.pending and not_done:
-            # Only while a save is in flight: ask again now rather than a step later, so a shard
-            # that became durable during this step commits at this boundary (what a crash in
-            # the next step would otherwise cost). Every rank has the same pending save.
-            (not_done,) = self.control.agree(not ck.local_done())
-        if ck.pending and not not_done:
-            ck.commit_pending()
-        # On an epoch's last batch the epoch-end checkpoint (after evaluation) comes next instead.
-        epoch_done = self.state.batch_in_epoch >= self.sampler.batches_per_epoch
-        if (ck.due_by_step(self.state.step) or time_due) and not epoch_done:
-            ck.save(self.snapshot(sums, elapsed), sync=not self.cfg.async_checkpoint)
-        if not last:
-            self.control.post(self._stop_requested(), self.env.is_main and ck.due_by_time(), not ck.local_done())
+        epoch_end = self.state.batch_in_epoch >= self.sampler.batches_per_epoch
+        decision = self.boundary.after_step(self.state.step, lambda: self.snapshot(sums, elapsed), epoch_end=epoch_end)
+        self._obey(decision)
 
-    def _stop_requested(self) -> StopKind:
-        return self.preemption.kind if self.preemption is not None else StopKind.NONE
-
-    def _stop_for_preemption(self, sums: MetricSums | None, elapsed: float, kind: StopKind) -> None:
-        """Every rank: commit a checkpoint of this exact step synchronously, then stop."""
-        ck = self.checkpointer
-        assert ck is not None
-        if self.preemption is not None:
-            self.preemption.acknowledge()  # the boundary is reached: no grace-period exit now
-        if ck.pending:
-            ck.commit_pending()
-        # save() skips a state this run's timeline already committed (rank 0 decides for all).
-        committed = bool(ck.save(self.snapshot(sums, elapsed), sync=True))
-        signal_name = self.preemption.signal_name if self.preemption else None
-        log.warning(
-            "preempted", step=self.state.step, signal=signal_name, kind=kind.name, checkpoint_committed=committed
-        )
-        raise Preempted(self.state.step, committed, kind)
+    def _obey(self, decision: Decision) -> None:
+        if decision.stop:
+            raise Preempted(self.state.step, decision.stop_committed, decision.stop)
 
     # ------------------------------------------------------------------ checkpoint state
     def snapshot(self, sums: MetricSums | None = None, elapsed: float = 0.0, finished: bool = False) -> Snapshot:
         """Everything needed to continue exactly from this step boundary."""
-        model_sd, optim_sd = state_dicts(self.module, self.optimizer)
-        replicated, optim_meta = flatten(model_sd, optim_sd)
-        # Buffers (BatchNorm statistics) change in the next forward pass, before the async
-        # save's copy is guaranteed done: clone them now (they are small). Each rank's differ
-        # (its own batch updated them); DDP re-broadcasts rank 0's at the next forward, so
-        # rank 0's are saved.
-        buffers = frozenset(MODEL + name for name, _ in self.module.named_buffers()) & replicated.keys()
-        for key in buffers:
-            replicated[key] = replicated[key].clone()
         sums = sums or MetricSums(self.device)
-        per_rank = capture_rng(self.device)
-        per_rank.update(
-            {
-                "metrics.train_sums": sums.sums,
-                "metrics.train_digest": sums.digest,
-                "metrics.elapsed": torch.tensor([elapsed], dtype=torch.float64),
-            }
-        )
-        trainer = {
-            **optim_meta,
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.precision.scaler.state_dict(),
-            "early_stop": self.stopper.state(),
-            "history": [r.to_json() for r in self.state.history],
-            "accounting": self.tracker.accounting.to_json() if self.tracker is not None else None,
-        }
-        return Snapshot(
-            step=self.state.step,
-            epoch=self.state.epoch,
-            batch_in_epoch=self.state.batch_in_epoch,
-            replicated=replicated,
-            per_rank=per_rank,
-            trainer=trainer,
-            fingerprint=self.cfg.fingerprint(self.bundle.identity()),
+        app = TrainerCheckpoint(self.stopper.state(), [r.to_json() for r in self.state.history])
+        return capture(
+            Position(self.state.step, self.state.epoch, self.state.batch_in_epoch, finished),
+            self.module,
+            self.optimizer,
+            device=self.device,
+            scheduler=self.scheduler,
+            scaler=self.precision.scaler,
+            extra=self.extra.state_dict() if self.extra is not None else None,
+            per_rank={
+                TRAIN_SUMS: sums.sums,
+                TRAIN_DIGEST: sums.digest,
+                ELAPSED: torch.tensor([elapsed], dtype=torch.float64),
+            },
+            app=app.to_json(),
+            accounting=self.tracker.accounting.to_json() if self.tracker is not None else None,
             config=self.cfg.to_json(),
-            finished=finished,
-            from_rank0=buffers,
         )
 
     def restore(self, loaded: Loaded) -> None:
         """Continue from ``loaded``: same world size exactly; another size from the same global batch."""
-        m = loaded.manifest
-        model_sd, optim_sd = unflatten(loaded.tensors, m.trainer)
-        load_state_dicts(self.module, self.optimizer, model_sd, optim_sd)
-        self.scheduler.load_state_dict(m.trainer["scheduler"])
-        if m.trainer.get("scaler"):
-            self.precision.scaler.load_state_dict(m.trainer["scaler"])
-        for key, value in m.trainer["early_stop"].items():
+        done = restore(
+            loaded,
+            self.module,
+            self.optimizer,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            device=self.device,
+            scheduler=self.scheduler,
+            scaler=self.precision.scaler,
+        )
+        if self.extra is not None:
+            self.extra.load_state_dict(done.extra)
+        app = TrainerCheckpoint.from_json(done.payload.app)
+        for key, value in app.early_stop.items():
             setattr(self.stopper, key, value)
         self.stopper.target_accuracy, self.stopper.patience = self.cfg.target_accuracy, self.cfg.patience
-        self.state = TrainState(m.epoch, m.step, m.batch_in_epoch, [EpochRecord(**r) for r in m.trainer["history"]])
-        self._restore_rank_state(loaded)
-
-    def _restore_rank_state(self, loaded: Loaded) -> None:
+        pos = done.position
+        self.state = TrainState(pos.epoch, pos.step, pos.batch_in_epoch, [EpochRecord(**r) for r in app.history])
         sums = MetricSums(self.device)
-        old_world = loaded.manifest.world_size
-        if old_world == self.env.world_size:
-            mine = rank_items(loaded.tensors, self.env.rank)
-            restore_rng(mine, self.device)
-            sums.sums.copy_(mine["metrics.train_sums"])
-            sums.digest.copy_(mine["metrics.train_digest"])
-            self._resumed_elapsed = float(mine["metrics.elapsed"])
+        if done.same_world_size:
+            mine = done.old_ranks[self.env.rank]
+            sums.sums.copy_(mine[TRAIN_SUMS])
+            sums.digest.copy_(mine[TRAIN_DIGEST])
+            self._resumed_elapsed = float(mine[ELAPSED])
         else:
             # Per-rank streams cannot be split or merged: reseed, and let rank 0 carry the
             # partial epoch's sums (they are all-reduced at the epoch end anyway).
-            seed_everything(self.cfg.seed + self.env.rank + 7919 * loaded.manifest.step)
-            old = [rank_items(loaded.tensors, r) for r in range(old_world)]
+            seed_everything(self.cfg.seed + self.env.rank + 7919 * pos.step)
             if self.env.is_main:
-                for part in old:
-                    sums.sums += part["metrics.train_sums"].to(self.device)
-                    sums.add_digest(part["metrics.train_digest"])
-            self._resumed_elapsed = max(float(part["metrics.elapsed"]) for part in old)
+                for part in done.old_ranks:
+                    sums.sums += part[TRAIN_SUMS].to(self.device)
+                    sums.add_digest(part[TRAIN_DIGEST])
+            self._resumed_elapsed = max(float(part[ELAPSED]) for part in done.old_ranks)
         self._resumed_sums = sums
 
     @torch.no_grad()
-    def evaluate(self) -> Totals:
-        """Exact validation: each sample once (disjoint shards, no padding), SUM-reduced."""
+    def evaluate(self) -> tuple[Totals, dict[str, float]]:
+        """Exact validation: each sample once (disjoint shards, no padding), SUM-reduced. Also
+        the task's extra metrics, each a SUM over validation samples divided by their count."""
         # Eval runs the bare module (shards may differ in length: no DDP collectives here);
         # rank 0's buffers (e.g. BatchNorm statistics) are made everyone's first.
         if self.checkpointer is not None:
@@ -356,18 +322,28 @@ class Trainer:
             torch.distributed.broadcast(buffer, src=0)
         self.module.eval()
         sums = MetricSums(self.device)
-        for images, labels, indices in self.val_loader:
+        names = sorted(self.task.metrics)
+        extra = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for *batch, indices in self.val_loader:
             if self.watchdog is not None:
                 self.watchdog.beat(self.state.step, "evaluate")
-            x, y = self._inputs(images, labels)
+            x, y = self.task.to_device(batch, self.device)
             with self.precision.autocast():
-                logits = self.module(x)
-                loss = self.criterion(logits, y)
-            sums.add_batch(logits.float(), y, loss.float())
+                outputs = self.module(x)
+                loss = self.task.loss(outputs, y)
+            outputs = outputs.float()
+            sums.add_batch(self.task.correct(outputs, y), y.shape[0], loss.float())
             sums.add_indices(indices)
-        return sums.reduce()
+            for i, name in enumerate(names):
+                extra[i] += self.task.metrics[name](outputs, y).detach().to(torch.float64)
+        totals = sums.reduce()
+        if not names:
+            return totals, {}
+        reduced = all_reduce_sum(extra).cpu().tolist()
+        per_sample = [value / totals.samples if totals.samples else float("nan") for value in reduced]
+        return totals, dict(zip(names, per_sample, strict=True))
 
-    def _record(self, epoch: int, train: Totals, val: Totals, elapsed: float) -> EpochRecord:
+    def _record(self, epoch: int, train: Totals, val: Totals, elapsed: float, extra: dict[str, float]) -> EpochRecord:
         return EpochRecord(
             epoch=epoch + 1,
             world_size=self.env.world_size,
@@ -381,16 +357,17 @@ class Trainer:
             sample_digest=train.digest,
             val_samples=val.samples,
             step=self.state.step,
+            val_metrics=extra,
         )
 
     def announce(self) -> None:
-        cfg, env, bundle = self.cfg, self.env, self.bundle
+        cfg, env = self.cfg, self.env
         params = sum(p.numel() for p in self.module.parameters())
         self.console.line(f"Training started with {env.world_size} processes")
+        model = self.task.name if cfg.task is None else f"{self.task.name} ({cfg.task})"
         self.console.line(
-            f"Backend: {self.placement.backend}, device: {self.device.type}, model: {cfg.model} "
-            f"({params / 1e6:.2f}M params), dataset: {bundle.name} ({len(bundle.train)} train / "
-            f"{len(bundle.val)} val, {bundle.num_classes} classes, {bundle.image_size}px), "
+            f"Backend: {self.placement.backend}, device: {self.device.type}, model: {model} "
+            f"({params / 1e6:.2f}M params), dataset: {self.data.describe()}, "
             f"global batch: {cfg.batch_size}, per-process batch: {self.sampler.per_process_batch}, "
             f"precision: {self.precision.name}"
         )
@@ -403,32 +380,22 @@ class Trainer:
         while self.state.epoch < self.cfg.epochs and not stopped_early:
             epoch = self.state.epoch
             train, elapsed = self.train_epoch(epoch)
-            val = self.evaluate()
-            record = self._record(epoch, train, val, elapsed)
+            val, extra = self.evaluate()
+            record = self._record(epoch, train, val, elapsed, extra)
             self.state.history.append(record)
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
-            self.console.line(record.console_line(self.cfg.epochs))
+            self.console.line(record.console_line(self.cfg.epochs, self.task.rate_unit))
             self.metrics_file.append(record.to_json())
             log.info("epoch_end", **file_only(**record.to_json()))
             stopped_early = decide_stop(self.stopper, record.val_acc, self.env.is_main, self.device)
             if stopped_early:
                 self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
-            self._save_epoch_end(finished=stopped_early or self.state.epoch >= self.cfg.epochs)
-            if self.control is not None and self.preemption is not None and not stopped_early:
-                (stop,) = self.control.agree(self._stop_requested())
-                if stop and self.state.epoch < self.cfg.epochs:
-                    self._stop_for_preemption(None, 0.0, StopKind(stop))
+            if self.boundary is not None:
+                finished = stopped_early or self.state.epoch >= self.cfg.epochs
+                decision = self.boundary.epoch_end(partial(self.snapshot, finished=finished), finished=finished)
+                self._obey(decision)
         return self._summary(time.perf_counter() - wall_start, stopped_early)
-
-    def _save_epoch_end(self, finished: bool) -> None:
-        """Every epoch end is a checkpoint; the last one is written synchronously."""
-        ck = self.checkpointer
-        if ck is None:
-            return
-        committed = ck.save(self.snapshot(finished=finished), sync=finished or not self.cfg.async_checkpoint)
-        if finished and not committed:
-            log.error("final_checkpoint_failed", step=self.state.step, detail="the newest committed one is older")
 
     def _summary(self, wall: float, stopped_early: bool) -> Summary:
         history = self.state.history
@@ -443,6 +410,7 @@ class Trainer:
             stopped_early=stopped_early,
             final_val_acc=history[-1].val_acc if history else float("nan"),
             productive_time=train_time,
+            samples_are=self.task.samples_are,
         )
 
     def close(self) -> None:

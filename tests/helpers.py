@@ -1,143 +1,99 @@
-"""Launching and reaping real processes in tests.
+"""What the tests share: the trainer launched as a test runs it, and what a finished run left.
 
-Every child runs in its own session (process group), so a test can kill it and everything it
-spawned (torchrun's workers, DataLoader workers) in one ``killpg``, on success, failure or timeout.
+The process primitives (run and reap in a session of its own, the child's environment) live in
+``elastic_train.testing.processes`` because the benchmarks and the two-agent harness use them
+too; they are re-exported here so that a test imports its helpers from one place.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import socket
+import re
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import torch
+from safetensors.torch import load_file
+
+from elastic_train.checkpoint.format import latest_target
+from elastic_train.testing.processes import (
+    ROOT,
+    TOKEN_VAR,
+    Finished,
+    base_env,
+    free_port,
+    group_alive,
+    kill_group,
+    kill_tagged,
+    pid_alive,
+    read_jsonl,
+    run,
+    tagged,
+)
+
+__all__ = [
+    "BIN",
+    "QUICK",
+    "RESUME_RUN",
+    "ROOT",
+    "SEED_EPOCH_LINE",
+    "TOKEN_VAR",
+    "Finished",
+    "assert_bitwise_equal",
+    "base_env",
+    "cli",
+    "dirs",
+    "epoch_metrics",
+    "events",
+    "final_state",
+    "flags",
+    "free_port",
+    "group_alive",
+    "kill_group",
+    "kill_tagged",
+    "pid_alive",
+    "ranks",
+    "read_jsonl",
+    "run",
+    "spawn_ranks",
+    "tagged",
+    "torchrun",
+    "wait_all",
+]
+
 BIN = Path(sys.executable).parent
 # Small, fast settings shared by the process-level tests.
 QUICK = ["--batch-size", "32", "--max-steps-per-epoch", "3", "--epochs", "2", "--target-accuracy", "1.0"]
+# The short run, checkpointed every 2 steps, that the kill-and-resume tests (one process, torchrun,
+# the launcher, the report) compare with an uninterrupted run of the same flags.
+RESUME_RUN = [
+    "--batch-size",
+    "32",
+    "--max-steps-per-epoch",
+    "4",
+    "--epochs",
+    "2",
+    "--target-accuracy",
+    "1.0",
+    "--patience",
+    "0",
+    "--checkpoint-every",
+    "2",
+]
+# The seed's per-epoch console line, which the trainer must keep printing unchanged.
+SEED_EPOCH_LINE = re.compile(
+    r"^Epoch \d+/\d+: time=\d+\.\d{3}s, train_loss=\d+\.\d{4}, train_acc=\d\.\d{4}, "
+    r"val_loss=\d+\.\d{4}, val_acc=\d\.\d{4}, throughput=\d+\.\d img/s$"
+)
 
 
 def flags(**values: object) -> list[str]:
     """Trainer flags from keywords: flags(batch_size=32) == ["--batch-size", "32"]."""
     return [item for name, value in values.items() for item in (f"--{name.replace('_', '-')}", str(value))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-TOKEN_VAR = "ELASTIC_TRAIN_TEST_TOKEN"
-
-
-def tagged(token: str) -> list[int]:
-    """Live processes whose environment carries ``token`` (torchrun's workers inherit it, even
-    though torchrun starts each of them in a session of its own)."""
-    found = []
-    needle = f"{TOKEN_VAR}={token}".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if needle in fh.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return [pid for pid in found if pid != os.getpid()]
-
-
-def kill_tagged(token: str) -> None:
-    for pid in tagged(token):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-# A test's processes get no distributed, Slurm-job or job-script settings from the environment
-# pytest runs in (inside an allocation SLURM_RESTART_COUNT and friends would leak into the jobs).
-_NOT_INHERITED = ("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTIC_TRAIN", "SLURM_", "ET_")
-
-
-def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k == "SLURM_CONF" or not k.startswith(_NOT_INHERITED)}
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), TOKEN_VAR: uuid.uuid4().hex})
-    env.update(extra or {})
-    return env
-
-
-@dataclass
-class Finished:
-    args: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-    leftovers: bool = False  # processes of its group still alive after it exited
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-
-def kill_group(proc: subprocess.Popen[str]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def run(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Finished:
-    """Run to completion in a new session; on timeout kill the whole group and fail."""
-    start = time.monotonic()
-    child_env = base_env(env)
-    token = child_env[TOKEN_VAR]
-    proc = subprocess.Popen(
-        list(args),
-        env=child_env,
-        cwd=cwd or ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        out, err = proc.communicate()
-        raise AssertionError(
-            f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out}\n--- stderr\n{err}"
-        ) from None
-    finally:
-        leftovers = group_alive(proc.pid) or bool(tagged(token))
-        kill_group(proc)  # reap anything the child left behind
-        kill_tagged(token)  # including workers that torchrun put in sessions of their own
-    return Finished(list(args), proc.returncode, out, err, time.monotonic() - start, leftovers)
 
 
 def cli(args: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None = None) -> Finished:
@@ -200,10 +156,6 @@ def wait_all(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[Fin
     return results
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def events(log_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
     return [e for e in read_jsonl(log_dir / f"rank-{rank}.jsonl") if e.get("event") == name]
 
@@ -236,3 +188,52 @@ def spawn_ranks(target: Any, world_size: int, args: tuple[Any, ...], timeout: fl
                 if p.is_alive():
                     p.kill()
                 p.join()
+
+
+def dirs(base: Path) -> list[str]:
+    """The trainer flags that put a run's logs and checkpoints under ``base``."""
+    return ["--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
+
+
+def final_state(base: Path) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of the newest checkpoint, whoever wrote them."""
+    folder = latest_target(base / "ckpt")
+    assert folder is not None
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("shard-*.safetensors")):
+        tensors.update(load_file(shard))
+    return {k: v for k, v in tensors.items() if k.startswith(("model.", "optim."))}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    different = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def epoch_metrics(base: Path) -> list[dict[str, Any]]:
+    """Each epoch's metrics that must not depend on restarts (no timings)."""
+    keep = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "samples_seen", "sample_digest")
+    return [{k: m[k] for k in keep} for m in read_jsonl(base / "logs" / "metrics.jsonl")]
+
+
+def state_hash(checkpoints: Path, prefixes: tuple[str, ...] = ("model.",)) -> str:
+    """sha256 of the ``latest`` checkpoint's tensors under ``prefixes`` (name without the
+    prefix, dtype, shape, bytes; by name): equal hashes mean bitwise-equal state."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = (checkpoints / "latest").resolve()
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("shard-*.safetensors")):
+        tensors.update({k: v for k, v in load_file(shard).items() if k.startswith(prefixes)})
+    assert tensors, f"no tensors under {prefixes} in {folder}"
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        value = tensors[name].contiguous()
+        short = name.split(".", 1)[1] if name.startswith("model.") else name
+        digest.update(f"{short}|{value.dtype}|{tuple(value.shape)}\n".encode())
+        digest.update(value.view(-1).view(dtype=torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

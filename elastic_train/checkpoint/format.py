@@ -26,8 +26,11 @@ from typing import Any
 import xxhash
 
 FORMAT = "elastic-train-checkpoint"
-VERSION = 2  # 2: `timeline` and `parent`
-READABLE = (1, 2)  # a version-1 manifest reads as timeline "" (unknown), parent ""
+# 2: `timeline` and `parent`; 3: the typed `payload` replaces the free-form `trainer` dict.
+VERSION = 3
+# A version-1 manifest reads as timeline "" (unknown), parent ""; versions 1 and 2 have their
+# `trainer` dict converted to a `Payload` (``payload_from_trainer_dict``).
+READABLE = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d{8})(?:-v([2-9]|[1-9]\d+))?$")
@@ -65,6 +68,11 @@ class CheckpointInvalid(Exception):
     """A checkpoint folder that must not be trusted; the message names the file and the fault."""
 
 
+class CheckpointTooNew(CheckpointInvalid):
+    """Written by a newer elastic-train in a format this build cannot read: not damaged, so never
+    moved aside, and never skipped for an older checkpoint (that would silently lose progress)."""
+
+
 class CheckpointUnreadable(CheckpointInvalid):
     """The storage failed while reading (EIO, ESTALE, EMFILE, ...): the content may be fine.
     Not trusted for this load, but never moved aside as corrupt: it may read fine next time."""
@@ -75,6 +83,44 @@ class FileEntry:
     size: int
     sha256: str  # cryptographic; checked by `python -m elastic_train.ckpt verify`
     xxh3: str  # xxh3-128, ~10x faster; checked on every load
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The JSON half of a checkpoint's training state; the tensors are in the shards.
+
+    Typed so that nothing indexes a free-form dict by string keys: the optimizer's non-tensor
+    state (``checkpoint.state.flatten``), the scheduler's and the loss scaler's state dicts,
+    the goodput accounting (``resilience.goodput.Accounting``) and ``app``, the training loop's
+    own JSON state (the built-in trainer keeps its early-stop counters and epoch history there;
+    a custom loop keeps whatever it needs).
+    """
+
+    optimizer: dict[str, Any] = field(default_factory=dict)  # {"param_groups": [...], "optim_extra": {...}}
+    scheduler: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    accounting: dict[str, Any] | None = None
+    app: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Payload:
+        return cls(**raw)
+
+
+def payload_from_trainer_dict(trainer: dict[str, Any]) -> dict[str, Any]:
+    """A version-1/2 manifest's ``trainer`` dict as a version-3 ``payload``: the same values,
+    moved to their typed places (the built-in trainer's own keys go to ``app``)."""
+    optimizer: dict[str, Any] = {key: trainer[key] for key in ("param_groups", "optim_extra") if key in trainer}
+    app: dict[str, Any] = {key: trainer[key] for key in ("early_stop", "history") if key in trainer}
+    return asdict(
+        Payload(
+            optimizer=optimizer,
+            scheduler=trainer.get("scheduler"),
+            scaler=trainer.get("scaler") or None,
+            accounting=trainer.get("accounting"),
+            app=app,
+        )
+    )
 
 
 @dataclass
@@ -88,7 +134,7 @@ class Manifest:
     files: dict[str, FileEntry]
     tensors: dict[str, str]  # tensor key -> file holding it
     fingerprint: dict[str, Any]  # settings a resumed run must share (model, data, global batch, ...)
-    trainer: dict[str, Any]  # scheduler, scaler, early stop, history, optimizer param groups, ...
+    payload: Payload  # optimizer param groups, scheduler, scaler, accounting, the loop's own state
     config: dict[str, Any]
     versions: dict[str, str]
     run_id: str = ""
@@ -120,12 +166,20 @@ class Manifest:
             raise CheckpointInvalid(f"{source}: not valid JSON ({exc})") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise CheckpointInvalid(f"{source}: not an elastic-train manifest")
-        if raw.get("version") not in READABLE:
-            raise CheckpointInvalid(
-                f"{source}: format version {raw.get('version')} (this build reads {', '.join(map(str, READABLE))})"
-            )
+        version = raw.get("version")
+        if version not in READABLE:
+            readable = ", ".join(map(str, READABLE))
+            if isinstance(version, int) and version > max(READABLE):
+                raise CheckpointTooNew(
+                    f"{source}: format version {version} (this build reads {readable}), written by a newer "
+                    "elastic-train. Fix: upgrade elastic-train, or point --checkpoint-dir elsewhere"
+                )
+            raise CheckpointInvalid(f"{source}: format version {version} (this build reads {readable})")
         try:
             raw["files"] = {name: FileEntry(**entry) for name, entry in raw["files"].items()}
+            if raw["version"] < 3:
+                raw["payload"] = payload_from_trainer_dict(raw.pop("trainer"))
+            raw["payload"] = Payload.from_json(raw["payload"])
             return cls(**raw)
         except (TypeError, KeyError, AttributeError) as exc:
             raise CheckpointInvalid(f"{source}: malformed manifest ({exc})") from None

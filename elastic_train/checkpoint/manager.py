@@ -29,8 +29,6 @@ step can mistake it for this run's.
 
 from __future__ import annotations
 
-import errno
-import os
 import threading
 import time
 import uuid
@@ -38,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import safetensors
 import structlog
@@ -51,9 +49,11 @@ from elastic_train.checkpoint.format import (
     CORRUPT,
     MANIFEST,
     CheckpointInvalid,
+    CheckpointTooNew,
     CheckpointUnreadable,
     FileEntry,
     Manifest,
+    Payload,
     checkpoint_key,
     latest_target,
     read_manifest,
@@ -64,6 +64,7 @@ from elastic_train.checkpoint.format import (
     versions_of,
 )
 from elastic_train.checkpoint.lock import CheckpointLock, lock_ttl
+from elastic_train.checkpoint.snapshot import Position, Snapshot
 from elastic_train.checkpoint.state import assign_shards, nbytes, rank_key
 from elastic_train.checkpoint.storage import (
     Purger,
@@ -77,7 +78,6 @@ from elastic_train.checkpoint.tensor_io import read_shards, write_shard
 from elastic_train.config import DATA_KEY
 from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import UsageError
-from elastic_train.faults import FaultInjector
 
 log = structlog.get_logger(__name__)
 
@@ -86,36 +86,33 @@ HEARTBEAT_EVERY_S = 1.0
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """Where checkpoints live and how a run picks one. *When* to save is the step boundary's
+    business (``boundary.SavePolicy``), *how* is this module's."""
+
     root: Path
-    every_steps: int = 0  # 0: only at epoch ends (and at the end / on preemption)
-    every_seconds: float = 0.0  # 0: off
     keep_last: int = 3
     resume: str = "auto"  # auto | never | PATH
-    async_save: bool = True
     hang_timeout: float = 60.0  # the run's --hang-timeout: the directory lock's TTL is derived from it
 
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise UsageError(f"keep_last={self.keep_last} would delete every checkpoint", "keep at least 2")
+        if not self.resume:
+            raise UsageError("resume is empty", "pass auto, never or a checkpoint folder")
+        if self.hang_timeout < 0:
+            raise UsageError(f"hang_timeout={self.hang_timeout} must be >= 0", "pass seconds, or 0 for off")
 
-@dataclass
-class Snapshot:
-    """What the trainer hands over at a step boundary.
 
-    Contract for an async save: the tensors must not change until ``wait_staged`` returns (the
-    trainer calls it before the optimizer step). Anything that changes earlier, such as
-    BatchNorm statistics updated by the forward pass, must be cloned into the snapshot.
-    """
+SaveStage = Literal["before_shard", "before_rename", "after_shard", "after_manifest"]
 
-    step: int
-    epoch: int
-    batch_in_epoch: int
-    replicated: dict[str, torch.Tensor]
-    per_rank: dict[str, torch.Tensor]
-    trainer: dict[str, Any]
-    fingerprint: dict[str, Any]
-    config: dict[str, Any]
-    finished: bool = False
-    # Keys of ``replicated`` whose authoritative copy is rank 0's (module buffers: see
-    # ``state.assign_shards``); rank 0 writes them whatever the balance.
-    from_rank0: frozenset[str] = frozenset()
+
+class SaveHooks(Protocol):
+    """Called at each stage of a save (``before_rename``: the shard's bytes are written and
+    fsynced, not yet renamed into place). Shard stages run in the writer thread, the manifest
+    stage in the main thread of rank 0. An exception fails this save (the previous checkpoint
+    stays ``latest``); fault injection (``faults.CheckpointFaults``) kills the process here."""
+
+    def on_save(self, stage: SaveStage, step: int, path: Path) -> None: ...
 
 
 @dataclass
@@ -132,6 +129,19 @@ class Loaded:
     folder: Path
     manifest: Manifest
     tensors: dict[str, torch.Tensor]
+
+    @property
+    def position(self) -> Position:
+        m = self.manifest
+        return Position(m.step, m.epoch, m.batch_in_epoch, m.finished)
+
+    @property
+    def payload(self) -> Payload:
+        return self.manifest.payload
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest.world_size
 
 
 @dataclass(frozen=True)
@@ -170,14 +180,19 @@ class Checkpointer:
         self,
         cfg: CheckpointConfig,
         env: DistEnv,
-        faults: FaultInjector,
         fingerprint: dict[str, Any],
         group: dist.ProcessGroup | None = None,
+        hooks: SaveHooks | None = None,
     ) -> None:
+        """Collective when ``group`` is None and the default group is not gloo: the object
+        collectives (tiny, CPU) need a gloo group, and one is created."""
         self.cfg = cfg
         self.env = env
-        self.faults = faults
+        self.hooks = hooks
         self.fingerprint = fingerprint
+        if group is None and dist.is_initialized() and dist.get_backend() != "gloo":
+            new = dist.new_group(backend="gloo")
+            group = new if isinstance(new, dist.ProcessGroup) else None
         self.group = group  # gloo group for the object collectives (None: the default group)
         self.lock = CheckpointLock(cfg.root, owner=env.job_id, ttl_s=lock_ttl(cfg.hang_timeout))
         self.purger = Purger()
@@ -188,7 +203,6 @@ class Checkpointer:
         self._staging: dict[str, torch.Tensor] = {}
         self._staged: threading.Event | None = None  # set once an async save's copy is done
         self._copy_stream: Any = None  # a CUDA stream for device-to-host staging copies
-        self._last_save_time = time.monotonic()
         self.last_committed_step: int | None = None
         # Which line of training this run extends (rank 0's value counts; ``resume`` shares it).
         self.timeline = new_timeline()
@@ -228,14 +242,7 @@ class Checkpointer:
         if should_manage_checkpoints(self.env):
             self.lock.release()
 
-    # ------------------------------------------------------------------ when
-    def due_by_time(self) -> bool:
-        """Rank 0's clock (the trainer shares its answer with the other ranks)."""
-        return self.cfg.every_seconds > 0 and time.monotonic() - self._last_save_time >= self.cfg.every_seconds
-
-    def due_by_step(self, step: int) -> bool:
-        return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
-
+    # ------------------------------------------------------------------ in flight
     @property
     def pending(self) -> bool:
         return self._pending is not None
@@ -254,7 +261,6 @@ class Checkpointer:
         if self._pending is not None:
             self.commit_pending()
         self.wait_staged()
-        self._last_save_time = time.monotonic()
         target = self._agree_target(snap)
         if target.action == "committed":
             log.info("checkpoint_exists", step=snap.step, path=target.folder, detail="this state is already committed")
@@ -303,7 +309,8 @@ class Checkpointer:
                 manifest = read_manifest(folder)
             except CheckpointInvalid as exc:
                 log.error("checkpoint_invalid", path=str(folder), error=str(exc))
-                if not isinstance(exc, CheckpointUnreadable):  # a storage hiccup is no proof of damage
+                # A storage hiccup is no proof of damage, nor is a newer build's format.
+                if not isinstance(exc, (CheckpointUnreadable, CheckpointTooNew)):
                     self._set_aside(folder, CORRUPT)
                 continue
             if not self._ours(folder, manifest):
@@ -316,7 +323,7 @@ class Checkpointer:
                 )
                 self._set_aside(folder, ABANDONED)
                 continue
-            if manifest.position == (snap.step, snap.epoch, snap.batch_in_epoch, snap.finished):
+            if manifest.position == snap.position.key:
                 return SaveTarget("committed", folder=str(folder))
             break  # ours, in another state of this step: the new state goes to a newer version
         versions = versions_of(root, snap.step)
@@ -402,20 +409,19 @@ class Checkpointer:
         name = shard_name(rank, self.env.world_size)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            if self.faults.fires("kill_in_save", step, stage="before_shard"):
-                os.kill(os.getpid(), 9)
-
-            def inject_enospc() -> None:
-                if self.faults.fires("enospc", step):
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / name))
-
+            self._hook("before_shard", step, folder / name)
             meta = {"step": str(step), "rank": str(rank)}
-            entry = write_shard(folder / name, tensors, meta, before_rename=inject_enospc)
-            if self.faults.fires("kill_in_save", step, stage="after_shard"):
-                os.kill(os.getpid(), 9)
+            entry = write_shard(
+                folder / name, tensors, meta, before_rename=lambda: self._hook("before_rename", step, folder / name)
+            )
+            self._hook("after_shard", step, folder / name)
             return ShardResult(rank, name, entry, sorted(tensors))
         except Exception as exc:  # reported to every rank at the commit, never raised here
             return ShardResult(rank, name, error=f"{type(exc).__name__}: {exc}")
+
+    def _hook(self, stage: SaveStage, step: int, path: Path) -> None:
+        if self.hooks is not None:
+            self.hooks.on_save(stage, step, path)
 
     def _wait_beating(self, future: Future[ShardResult]) -> ShardResult:
         while True:
@@ -472,29 +478,29 @@ class Checkpointer:
         if self.parent is not None:
             in_root = self.parent.parent.resolve() == self.cfg.root.resolve()
             parent = self.parent.name if in_root else str(self.parent.resolve())
+        pos = snap.position
         manifest = Manifest(
-            step=snap.step,
-            epoch=snap.epoch,
-            batch_in_epoch=snap.batch_in_epoch,
+            step=pos.step,
+            epoch=pos.epoch,
+            batch_in_epoch=pos.batch_in_epoch,
             world_size=self.env.world_size,
             files={r.file: r.entry for r in results if r.entry is not None},
             tensors={key: r.file for r in results for key in r.keys},
-            fingerprint=snap.fingerprint,
-            trainer=snap.trainer,
+            fingerprint=self.fingerprint,
+            payload=snap.payload,
             config=snap.config,
             versions=_versions(),
             run_id=self.env.run_id,
             created=time.time(),
-            finished=snap.finished,
+            finished=pos.finished,
             timeline=self.timeline,
             parent=parent,
         )
         try:
             write_atomic(folder / MANIFEST, manifest.to_json().encode())
-            if self.faults.fires("kill_in_save", snap.step, stage="after_manifest"):
-                os.kill(os.getpid(), 9)
+            self._hook("after_manifest", snap.step, folder / MANIFEST)
             point_latest(self.cfg.root, folder)
-        except OSError as exc:
+        except Exception as exc:  # storage, or a hook's: every rank waits for rank 0's verdict
             log.error(
                 "checkpoint_failed",
                 step=snap.step,
@@ -637,6 +643,10 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
     for folder in done:
         try:
             manifest = verify(folder)
+        except CheckpointTooNew as exc:
+            # Falling back past it would silently lose its progress, and an older build would
+            # later move it aside as corrupt: refuse the run instead.
+            raise UsageError(str(exc)) from None
         except CheckpointInvalid as exc:
             problems.append(str(exc))
             if not isinstance(exc, CheckpointUnreadable):  # only proven damage is moved aside later

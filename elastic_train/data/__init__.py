@@ -1,9 +1,9 @@
 """Datasets, the world-size-independent sampler and the loaders built on them.
 
-``build_data`` is collective: rank 0 prepares the dataset on disk (extraction) while the others
-wait, as in the seed; then every rank opens it, and a failure on ANY rank makes every rank raise
-the same ``DataError`` instead of leaving its peers hanging in the first collective. The same
-exchange hands rank 0's dataset identity (``DataBundle.identity``) to every rank.
+``open_task_data`` is collective: rank 0 prepares the task's data on disk (extraction) while the
+others wait, as in the seed; then every rank opens it, and a failure on ANY rank makes every rank
+raise the same error instead of leaving its peers hanging in the first collective. The same
+exchange hands rank 0's identity of the data (``TaskData.identify``) to every rank.
 """
 
 from __future__ import annotations
@@ -12,19 +12,21 @@ from dataclasses import replace
 from typing import Any
 
 import structlog
+import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from elastic_train.config import TrainConfig
-from elastic_train.data.datasets import DataBundle, EvalView, TrainView
+from elastic_train.data.datasets import DataBundle
 from elastic_train.data.folders import load_imagefolder, load_tiny_imagenet, prepare_tiny_imagenet
 from elastic_train.data.sampler import EvalBatchSampler, GlobalBatchSampler
 from elastic_train.data.synthetic import digits, synthetic
 from elastic_train.distributed.env import DistEnv, should_prepare_dataset
 from elastic_train.distributed.process_group import broadcast_error
-from elastic_train.errors import DataError
+from elastic_train.errors import DataError, UsageError
+from elastic_train.task import Task, TaskData
 
-__all__ = ["DataBundle", "GlobalBatchSampler", "build_data", "load_bundle", "make_loaders"]
+__all__ = ["DataBundle", "GlobalBatchSampler", "Indexed", "load_bundle", "make_loaders", "open_task_data"]
 
 log = structlog.get_logger(__name__)
 
@@ -48,62 +50,88 @@ def load_bundle(cfg: TrainConfig) -> DataBundle:
     return load_imagefolder(cfg.data_dir, cfg.image_size, cfg.seed)
 
 
-def _check_fits(cfg: TrainConfig, bundle: DataBundle) -> None:
-    if len(bundle.train) < cfg.batch_size:
+def _check_fits(cfg: TrainConfig, train_samples: int, name: str) -> None:
+    if train_samples < cfg.batch_size:
         raise DataError(
-            f"{bundle.name} has {len(bundle.train)} training samples, fewer than one global batch of {cfg.batch_size}",
+            f"{name} has {train_samples} training samples, fewer than one global batch of {cfg.batch_size}",
             "lower --batch-size",
         )
 
 
-def build_data(cfg: TrainConfig, env: DistEnv) -> DataBundle:
+def open_task_data(task: Task, cfg: TrainConfig, env: DistEnv) -> TaskData:
+    """Collective: rank 0 runs ``task.prepare`` while the others wait (the seed's barrier), then
+    every rank opens ``task.data()``; rank 0's identity of the data is everyone's.
+
+    A ``UsageError`` on any rank (bad data, bad flags) becomes the same ``DataError`` on every
+    rank; any other exception is reported to every rank as a crash (``RuntimeError``), so no rank
+    is left waiting in the next collective for a peer that died here.
+    """
     error: str | None = None
-    if should_prepare_dataset(env):
+    crashed = False
+    if should_prepare_dataset(env) and task.prepare is not None:
         try:
-            prepare_on_disk(cfg)
-        except DataError as exc:
+            task.prepare()
+        except UsageError as exc:
             error = str(exc)
+        except Exception as exc:
+            error, crashed = f"{task.name}: prepare() raised {type(exc).__name__}: {exc}", True
     # Doubles as the seed's barrier: the others wait here until rank 0 has extracted.
-    error = broadcast_error(error)
-    if error is not None:
-        raise DataError(error)
-    bundle: DataBundle | None = None
+    shared = broadcast_error(f"{int(crashed)}{error}" if error is not None else None)
+    if shared is not None:
+        raise (RuntimeError if shared[0] == "1" else DataError)(shared[1:])
+    data: TaskData | None = None
     identity: dict[str, Any] | None = None
     try:
-        bundle = load_bundle(cfg)
-        _check_fits(cfg, bundle)
+        data = task.data()
+        _check_fits(cfg, len(data.train), task.name)  # type: ignore[arg-type]
         if should_prepare_dataset(env):
-            # The identity reads every file's size: one rank does it, the others adopt it.
-            identity = bundle.identity()
-    except DataError as exc:
+            # The identity may read every file's size: one rank does it, the others adopt it.
+            identity = data.identify()
+    except UsageError as exc:
         error = f"rank {env.rank}: {exc}" if env.is_distributed else str(exc)
-    reports: list[tuple[str | None, dict[str, Any] | None] | None] = [None] * env.world_size
-    dist.all_gather_object(reports, (error, identity))
-    first = next((r[0] for r in reports if r is not None and r[0] is not None), None)
-    if first is not None:
-        raise DataError(first)
-    assert bundle is not None
-    identity = next(r[1] for r in reports if r is not None and r[1] is not None)
-    bundle = replace(bundle, known_identity=identity)
-    log.info(
-        "dataset_ready",
-        dataset=bundle.name,
-        train=len(bundle.train),
-        val=len(bundle.val),
-        classes=bundle.num_classes,
-        image_size=bundle.image_size,
-    )
-    return bundle
+    except Exception as exc:
+        error, crashed = f"rank {env.rank}: {task.name}: data() raised {type(exc).__name__}: {exc}", True
+    reports: list[tuple[str | None, bool, dict[str, Any] | None] | None] = [None] * env.world_size
+    dist.all_gather_object(reports, (error, crashed, identity))
+    first = next((r for r in reports if r is not None and r[0] is not None), None)
+    if first is not None and first[0] is not None:
+        raise (RuntimeError if first[1] else DataError)(first[0])
+    assert data is not None
+    identity = next(r[2] for r in reports if r is not None and r[2] is not None)
+    adopted = dict(identity)
+    data = replace(data, identity=lambda: adopted)
+    log.info("dataset_ready", task=task.name, train=len(data.train), val=len(data.val))  # type: ignore[arg-type]
+    return data
+
+
+class Indexed(Dataset[tuple[Any, ...]]):
+    """A task's dataset with each item's dataset index appended (the sample digest's input).
+
+    Training keys are ``(epoch, index)`` (``GlobalBatchSampler``); a dataset that is not
+    ``train_by_epoch`` receives the index alone. Evaluation keys are plain indices.
+    """
+
+    def __init__(self, dataset: Dataset[Any], by_epoch: bool = False) -> None:
+        self.dataset = dataset
+        self.by_epoch = by_epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, ...]:
+        index = key[1] if isinstance(key, tuple) else key
+        item = self.dataset[key if self.by_epoch else index]
+        return (*item, index)
 
 
 def make_loaders(
-    bundle: DataBundle,
+    data: TaskData,
     cfg: TrainConfig,
     env: DistEnv,
     pin_memory: bool,
 ) -> tuple[DataLoader[object], GlobalBatchSampler, DataLoader[object]]:
     sampler = GlobalBatchSampler(
-        num_samples=len(bundle.train),
+        num_samples=len(data.train),  # type: ignore[arg-type]
         global_batch=cfg.batch_size,
         world_size=env.world_size,
         rank=env.rank,
@@ -112,19 +140,24 @@ def make_loaders(
     )
     workers = cfg.num_workers
     train = DataLoader(
-        TrainView(bundle.train, bundle.augment),
+        Indexed(data.train, by_epoch=data.train_by_epoch),
         batch_sampler=sampler,
         num_workers=workers,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
+        # Every iterator draws its workers' base seed from this generator. The default, torch's
+        # global RNG, would make a run resumed mid-epoch (a new iterator where the uninterrupted
+        # run had none) draw once more than it, shifting every later random op (dropout).
+        generator=torch.Generator().manual_seed(cfg.seed + env.rank),
     )
     # Evaluation batches are as large as the largest training share: memory known to fit.
     eval_batch = sampler.per_process_batch.largest
     val = DataLoader(
-        EvalView(bundle.val),
-        batch_sampler=EvalBatchSampler(len(bundle.val), eval_batch, env.world_size, env.rank),
+        Indexed(data.val),
+        batch_sampler=EvalBatchSampler(len(data.val), eval_batch, env.world_size, env.rank),  # type: ignore[arg-type]
         num_workers=workers,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
+        generator=torch.Generator().manual_seed(cfg.seed + env.rank),
     )
     return train, sampler, val

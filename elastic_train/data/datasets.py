@@ -1,8 +1,9 @@
 """Dataset containers and the train/eval views the loaders read.
 
 Every dataset yields ``uint8`` images of shape ``[3, S, S]``; conversion to float and
-normalisation happen on the training device (cheaper to move bytes than floats). Items carry
-their dataset index so the trainer can prove which samples it trained on.
+normalisation happen on the training device (cheaper to move bytes than floats). The loaders
+(``data.Indexed``) add each item's dataset index, so the trainer can prove which samples it
+trained on.
 
 ``DataBundle.identity`` says which data a run trained on (sizes, classes and a fingerprint of
 each split's content); it is part of the resume fingerprint, so a checkpoint is never continued
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from torch.utils.data import Dataset
 
 from elastic_train.errors import DataError
 
-Sample = tuple[torch.Tensor, int, int]  # (uint8 image [3,S,S], label, dataset index)
+Sample = tuple[torch.Tensor, int]  # (uint8 image [3,S,S], label); the loaders add the dataset index
 
 
 class ImageSource:
@@ -167,7 +168,7 @@ class TrainView(Dataset[Sample]):
         img, label = self.source.load(index)
         if self.augment is not None:
             img = self.augment(img, epoch, index)
-        return img, label, index
+        return img, label
 
 
 class EvalView(Dataset[Sample]):
@@ -178,8 +179,7 @@ class EvalView(Dataset[Sample]):
         return len(self.source)
 
     def __getitem__(self, index: int) -> Sample:
-        img, label = self.source.load(index)
-        return img, label, index
+        return self.source.load(index)
 
 
 @dataclass(frozen=True)
@@ -194,14 +194,10 @@ class DataBundle:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     augment: Augment | None = None
-    # The identity as computed by another rank (see ``build_data``): when set, ``identity``
-    # returns it instead of reading every file again.
-    known_identity: Mapping[str, Any] | None = None
 
     def identity(self) -> dict[str, Any]:
-        """Which data this is: JSON values that differ whenever the samples behind the indices do."""
-        if self.known_identity is not None:
-            return dict(self.known_identity)
+        """Which data this is: JSON values that differ whenever the samples behind the indices do.
+        May read every file's size: one rank computes it (``data.open_task_data``)."""
         return {
             "train_samples": len(self.train),
             "val_samples": len(self.val),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -219,12 +219,12 @@ class ControlPlane:
         self.group: dist.ProcessGroup | None = group if isinstance(group, dist.ProcessGroup) else None
         self._posted: tuple[dist.Work, torch.Tensor] | None = None
 
-    def agree(self, *values: int) -> list[int]:
+    def agree(self, values: Sequence[int]) -> list[int]:
         t = torch.tensor([int(v) for v in values], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
 
-    def post(self, *values: int) -> None:
+    def post(self, values: Sequence[int]) -> None:
         assert self._posted is None, "collect() the previous agreement first"
         t = torch.tensor([int(v) for v in values], dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)

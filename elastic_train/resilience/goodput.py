@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_train.outcome import RestartCause
+
 PROGRESS = ".progress.json"
 SLOW_WRITE_S = 0.002
 SLOW_WRITE_SHARE = 0.05  # of the time between steps
@@ -36,7 +38,7 @@ THROTTLED_EVERY_S = 0.2
 @dataclass
 class Accounting:
     job_start: float
-    restarts: dict[str, int] = field(default_factory=dict)  # cause -> count
+    restarts: dict[str, int] = field(default_factory=dict)  # RestartCause value -> count
     lost_s: float = 0.0
     recomputed_steps: int = 0
 
@@ -91,8 +93,12 @@ class ProgressTracker:
         self._progress_time = 0.0
 
     def begin_recovery(self, cause: str, resumed_step: int, previous: dict[str, Any] | None) -> None:
-        """A run resumed from a checkpoint: count it, and time it until it is back where it was."""
-        self.accounting.restarts[cause] = self.accounting.restarts.get(cause, 0) + 1
+        """A run resumed from a checkpoint: count it, and time it until it is back where it was.
+
+        ``cause``: a ``RestartCause`` (``outcome.previous_exit_cause``); its value is the key stored.
+        """
+        key = RestartCause(cause).value  # a typo'd cause fails here, not as a new key in every checkpoint
+        self.accounting.restarts[key] = self.accounting.restarts.get(key, 0) + 1
         reached = int(previous["step"]) if previous else resumed_step
         self.accounting.recomputed_steps += max(0, reached - resumed_step)
         self._progress_time = float(previous["time"]) if previous else time.time()

@@ -7,7 +7,7 @@ them. Measured on torch 2.14.1: both workers of a SIGKILLed agent were still tra
 
 ``ParentWatch`` remembers the parent's pid at start and polls ``os.getppid()``: when the parent
 is gone the kernel has re-parented us (to init or a subreaper) and the pid changes. It then logs
-``launcher_lost`` and ends the process with ``EXIT_ORPHANED``. ``PR_SET_PDEATHSIG`` is not used:
+``launcher_lost`` and ends the process with ``ExitCode.ORPHANED`` (78). ``PR_SET_PDEATHSIG`` is not used:
 it fires when the *thread* that forked us exits, and torch's agent may start workers from a
 thread that ends while the agent lives on.
 
@@ -24,9 +24,10 @@ from typing import Any
 
 import structlog
 
+from elastic_train.outcome import ExitCode
+
 log = structlog.get_logger(__name__)
 
-EXIT_ORPHANED = 78
 POLL_S = 0.5
 
 
@@ -66,10 +67,10 @@ class ParentWatch:
                     rank=self.rank,
                     launcher_pid=self._parent,
                     new_parent=parent,
-                    exit_code=EXIT_ORPHANED,
+                    exit_code=int(ExitCode.ORPHANED),
                     detail="the launcher died (its workers are not signalled): exiting instead of training on",
                 )
-                self._exit(EXIT_ORPHANED)
+                self._exit(ExitCode.ORPHANED)
                 return
             if self._stop.wait(self.poll_s):
                 return

@@ -5,11 +5,13 @@ Two kinds, told apart by the signal:
 * **preemption** (SIGUSR1, SIGUSR2): the scheduler is taking the allocation (Slurm's
   ``--signal=B:USR1@120``; the job scripts relay a SIGTERM they receive as SIGUSR2). The run
   commits a checkpoint, rank 0 writes ``<checkpoint-dir>/.preempted.json`` (the job script
-  requeues on it) and every process exits with ``EXIT_PREEMPTED`` (75).
+  requeues on it) and every process exits with ``ExitCode.PREEMPTED`` (75).
 * **stop** (SIGTERM): the launcher stops its workers: torchrun does so before *every* restart (a
   peer failed, a node joined or left) and when it shuts down. The run commits a checkpoint the
   same way, but nothing is booked as a preemption: rank 0 writes ``.stopped.json`` (read by the
-  next attempt's goodput accounting) and every process exits with ``EXIT_STOPPED`` (76).
+  next attempt's goodput accounting) and every process exits with ``ExitCode.STOPPED`` (76).
+
+Codes, marker files and their writer live in ``elastic_train.outcome``.
 
 The handlers only record the request. At the next step boundary the ranks agree on it (see
 ``Trainer._step_boundary``), so a signal that reached one rank stops all of them at the same step.
@@ -23,7 +25,7 @@ a thread (CPython's C-level handler writes each signal number to a wakeup fd at 
 the main thread is doing): a rank that has neither reached an agreed stop boundary nor made any
 progress (a step, an evaluation batch, a checkpoint write) for ``--stop-grace`` seconds after the
 first signal logs ``stop_grace_expired`` and exits with
-``EXIT_STOP_GRACE_EXPIRED`` (77). Nothing is lost: the last committed checkpoint stays
+``ExitCode.STOP_GRACE_EXPIRED`` (77). Nothing is lost: the last committed checkpoint stays
 ``latest``. Keep the grace above two step times (the boundary agreement runs one step behind)
 and well inside the launcher's shutdown timeout (torchrun: 30 s by default).
 """
@@ -31,7 +33,6 @@ and well inside the launcher's shutdown timeout (torchrun: 30 s by default).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -45,16 +46,20 @@ from typing import Any
 
 import structlog
 
+from elastic_train.outcome import (
+    PREEMPTED_MARKER,
+    STOPPED_MARKER,
+    ExitCode,
+    RestartCause,
+    clear_markers,
+    stop_marker,
+)
+from elastic_train.outcome import write_marker as _write_marker
+
 log = structlog.get_logger(__name__)
 
-EXIT_PREEMPTED = 75
-EXIT_STOPPED = 76
-EXIT_STOP_GRACE_EXPIRED = 77
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-MARKER = ".preempted.json"
-STOP_MARKER = ".stopped.json"
-LAUNCH_ID_VAR = "ELASTIC_TRAIN_LAUNCH_ID"
 DEFAULT_GRACE_S = 10.0
 
 
@@ -70,8 +75,15 @@ class StopKind(IntEnum):
         return cls.PREEMPT if signum in PREEMPT_SIGNALS else cls.STOP
 
     @property
-    def exit_code(self) -> int:
-        return EXIT_PREEMPTED if self is StopKind.PREEMPT else EXIT_STOPPED
+    def exit_code(self) -> ExitCode:
+        return ExitCode.PREEMPTED if self is StopKind.PREEMPT else ExitCode.STOPPED
+
+    @property
+    def cause(self) -> RestartCause:
+        """How the next attempt books this stop; NONE has no cause."""
+        if self is StopKind.NONE:
+            raise ValueError("StopKind.NONE is no stop: it has no restart cause")
+        return RestartCause.PREEMPTION if self is StopKind.PREEMPT else RestartCause.STOP
 
 
 class Preempted(Exception):
@@ -171,10 +183,10 @@ class StopGrace:
             rank=self.rank,
             signal=signal.Signals(signum).name,
             grace_s=self.grace_s,
-            exit_code=EXIT_STOP_GRACE_EXPIRED,
+            exit_code=int(ExitCode.STOP_GRACE_EXPIRED),
             detail="no agreed step boundary in time (blocked in a collective?); the last committed checkpoint is kept",
         )
-        self._exit(EXIT_STOP_GRACE_EXPIRED)
+        self._exit(ExitCode.STOP_GRACE_EXPIRED)
 
 
 _AT_FORK_REGISTERED = False
@@ -229,26 +241,19 @@ class PreemptionFlag:
             self.signal_name = signal.Signals(signum).name
 
 
+# The names run.py imported before elastic_train.outcome existed: kept only until its rewrite
+# calls outcome.write_marker / clear_markers itself. Do not use them in new code.
+MARKER = PREEMPTED_MARKER
+STOP_MARKER = STOPPED_MARKER
+
+
 def write_marker(
     checkpoint_dir: Path, step: int, signal_name: str, committed: bool, kind: StopKind = StopKind.PREEMPT
 ) -> Path:
-    """``.preempted.json`` for a preemption (the job scripts requeue on it), else ``.stopped.json``."""
-    path = checkpoint_dir / (MARKER if kind is StopKind.PREEMPT else STOP_MARKER)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    record = {
-        "step": step,
-        "signal": signal_name,
-        "committed": committed,
-        "time": time.time(),
-        "exit_code": kind.exit_code,
-        # Set by the job scripts for each launch: they requeue only on a marker of their own launch.
-        "launch_id": os.environ.get(LAUNCH_ID_VAR),
-    }
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
-    return path
+    """Deprecated: ``outcome.write_marker(dir, outcome.stop_marker(kind.cause, ...))``."""
+    return _write_marker(checkpoint_dir, stop_marker(kind.cause, step, signal_name, committed))
 
 
 def clear_marker(checkpoint_dir: Path) -> None:
-    (checkpoint_dir / MARKER).unlink(missing_ok=True)
-    (checkpoint_dir / STOP_MARKER).unlink(missing_ok=True)
+    """Deprecated: ``outcome.clear_markers`` (it clears the hang markers too)."""
+    clear_markers(checkpoint_dir)

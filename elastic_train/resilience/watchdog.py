@@ -2,10 +2,12 @@
 
 The trainer calls ``beat`` after every step and evaluation batch. A daemon thread checks the
 time since the last beat; past ``--hang-timeout`` seconds it logs the rank, the step and what it
-was doing, and ends the process with ``EXIT_HUNG`` (124, as timeout(1) uses). This catches a rank
-stuck outside collectives (a deadlocked loader, a wedged filesystem) and the peers of a stopped
-rank, which sit in a collective until it returns; ``--collective-timeout`` is the backstop
-inside the backend.
+was doing, writes ``<marker-dir>/.hang-rank-<r>.json`` when given a marker directory (the next
+attempt books its restart as a ``hang`` from it, see ``elastic_train.outcome``; the write waits
+at most ``outcome.HANG_MARKER_WRITE_S``, as the hang may be the disk's), and ends the process
+with ``ExitCode.HUNG`` (124, as timeout(1) uses). This catches a rank stuck outside collectives
+(a deadlocked loader, a wedged filesystem) and the peers of a stopped rank, which sit in a
+collective until it returns; ``--collective-timeout`` is the backstop inside the backend.
 
 The timeout must exceed the longest legitimate pause between beats: the first step (CUDA
 initialisation, compilation), a synchronous checkpoint of a large model, an evaluation batch.
@@ -16,19 +18,34 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import structlog
 
-log = structlog.get_logger(__name__)
+from elastic_train.outcome import ExitCode, Marker, RestartCause, write_marker_best_effort
 
-EXIT_HUNG = 124
+log = structlog.get_logger(__name__)
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float, rank: int, poll_s: float | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        poll_s: float | None = None,
+        marker_dir: Path | None = None,
+        exit_fn: Callable[[int], Any] = os._exit,
+    ) -> None:
+        """``rank``: the global rank (it names the hang marker). ``marker_dir``: where the hang
+        marker goes, the checkpoint directory (None: none is written). ``exit_fn``: ``os._exit``
+        (the main thread is stuck, so no exception can reach it); tests pass their own."""
         self.timeout_s = timeout_s
         self.rank = rank
         self.poll_s = poll_s if poll_s is not None else max(0.5, min(5.0, timeout_s / 10))
+        self.marker_dir = marker_dir
+        self._exit = exit_fn
         self._last = time.monotonic()
         self._step = 0
         self._phase = "start"
@@ -70,14 +87,21 @@ class StepWatchdog:
         while not self._stop.wait(self.poll_s):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s:
-                log.error(
-                    "hang_detected",
-                    rank=self.rank,
-                    step=self._step,
-                    phase=self._phase,
-                    seconds_without_progress=round(idle, 1),
-                    exit_code=EXIT_HUNG,
-                )
-                # os._exit: the main thread is stuck, so no exception can reach it. torchrun sees
-                # the exit code and restarts the group from the latest checkpoint.
-                os._exit(EXIT_HUNG)
+                self._fire(idle)
+                return
+
+    def _fire(self, idle: float) -> None:
+        log.error(
+            "hang_detected",
+            rank=self.rank,
+            step=self._step,
+            phase=self._phase,
+            seconds_without_progress=round(idle, 1),
+            exit_code=int(ExitCode.HUNG),
+        )
+        if self.marker_dir is not None:
+            marker = Marker(RestartCause.HANG, self._step, self.rank, phase=self._phase)
+            if not write_marker_best_effort(self.marker_dir, marker):
+                log.warning("hang_marker_not_written", rank=self.rank, marker_dir=str(self.marker_dir))
+        # torchrun sees the exit code and restarts the group from the latest checkpoint.
+        self._exit(ExitCode.HUNG)

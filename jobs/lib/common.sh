@@ -235,10 +235,50 @@ et_new_launch() {
   export ELASTIC_TRAIN_LAUNCH_ID
 }
 
+# The marker contract is elastic_train/outcome.py's: the file name, the fields and their format,
+# JSON with one key per line (`"key": value`, a comma after all but the last), which the reader
+# below parses exactly. tests/unit/test_outcome.py runs it on the Python writer's output.
+ET_PREEMPTED_MARKER=.preempted.json
+
+# Print field $2 of marker file $1: a string without its quotes; a number, true, false or null as
+# written. Returns 1 when the file or the field is missing. Exact for values without JSON escapes,
+# which is every value compared here (launch ids, exit codes, steps, signal names).
+et_marker_field() {
+  local file=$1 key=$2 line value
+  [ -r "$file" ] || return 1
+  while IFS= read -r line || [ -n "$line" ]; do
+    case $line in
+      "\"$key\": "*)
+        value=${line#"\"$key\": "}
+        value=${value%,}
+        case $value in \"*\") value=${value#\"}; value=${value%\"} ;; esac
+        printf '%s\n' "$value"
+        return 0
+        ;;
+    esac
+  done <"$file"
+  return 1
+}
+
+# True when this launch's trainer was preempted: the preemption marker carries its launch id.
 et_was_preempted() {
-  local marker=$ET_CHECKPOINT_DIR/.preempted.json
-  [ -n "${ELASTIC_TRAIN_LAUNCH_ID:-}" ] && [ -f "$marker" ] &&
-    grep -qF "\"launch_id\": \"$ELASTIC_TRAIN_LAUNCH_ID\"" "$marker"
+  local launch
+  [ -n "${ELASTIC_TRAIN_LAUNCH_ID:-}" ] || return 1
+  launch=$(et_marker_field "$ET_CHECKPOINT_DIR/$ET_PREEMPTED_MARKER" launch_id) || return 1
+  [ "$launch" = "$ELASTIC_TRAIN_LAUNCH_ID" ]
+}
+
+# Set `reason` and `rc` from this launch's preemption marker: rc becomes the trainer's "preempted,
+# requeue me" code as the marker states it (75), whatever torchrun returned.
+et_read_preemption() {
+  local marker=$ET_CHECKPOINT_DIR/$ET_PREEMPTED_MARKER step signal committed code
+  step=$(et_marker_field "$marker" step) || step="?"
+  signal=$(et_marker_field "$marker" signal) || signal="?"
+  committed=$(et_marker_field "$marker" committed) || committed="?"
+  code=$(et_marker_field "$marker" exit_code) || code=""
+  [ "$committed" = true ] && committed="checkpoint committed" || committed="CHECKPOINT FAILED, the previous one is kept"
+  reason="preempted by $signal at step $step ($committed)"
+  case $code in '' | *[!0-9]*) et_log "$marker has no exit code: keeping the launcher's $rc" ;; *) rc=$code ;; esac
 }
 
 et_count() {  # $1 if it is a whole number, else 0 (a typo in a cap must not mean "requeue forever")
@@ -251,9 +291,8 @@ et_finish() {
   trap '' "${ET_SIGNALS[@]}"  # nothing left to forward; the requeue's own SIGTERM must not cut this short
   restarts=$(et_count "${SLURM_RESTART_COUNT:-0}")
   if et_was_preempted; then
-    reason="preempted ($(cat "$ET_CHECKPOINT_DIR/.preempted.json" 2>/dev/null || true))"
+    et_read_preemption
     cap=$(et_count "${ET_MAX_PREEMPT_REQUEUES:-1000}")
-    rc=75  # the trainer's "preempted, requeue me" code, whatever torchrun returned
   elif [ "$rc" = 0 ]; then
     et_log "training finished (exit 0)"
     exit 0

@@ -1,0 +1,203 @@
+"""A training loop's state at a step boundary, captured for a save and restored after a load.
+
+The public front of the checkpointer: ``capture`` turns a model, its optimizer and the rest of
+a loop's state into a ``Snapshot`` (tensors by stable flat keys, the JSON rest typed as a
+``Payload``); ``Checkpointer.save`` writes it sharded; ``Checkpointer.resume`` loads it back and
+``restore`` puts every piece in place. The built-in trainer uses exactly these two functions.
+
+What a snapshot holds, by key family (``checkpoint.state``):
+
+* ``model.*`` and ``optim.state.*``: replicated under DDP, each written once by one rank;
+* ``extra.*``: the loop's own replicated tensors (e.g. an EMA copy of the weights);
+* ``rank.<r>.*``: this rank's alone: RNG streams and the loop's per-rank tensors (partial
+  metric sums). They are restored only at the same world size; at another size a loop reads
+  every old rank's values (``Restored.old_ranks``) and decides (the trainer folds sums).
+
+Contract for an async save (``sync=False``): the tensors must not change until
+``Checkpointer.wait_staged`` returns (call it before the optimizer step). Module buffers change
+in the forward pass, earlier: ``capture`` clones them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from elastic_train.checkpoint.format import Payload
+from elastic_train.checkpoint.state import (
+    MODEL,
+    capture_rng,
+    flatten,
+    load_state_dicts,
+    rank_items,
+    restore_rng,
+    state_dicts,
+    unflatten,
+)
+
+EXTRA = "extra."
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a run stands: what a resumed run continues from. Plain integers, world-size free."""
+
+    step: int  # optimizer steps completed, counted across epochs
+    epoch: int = 0  # epochs completed
+    batch_in_epoch: int = 0  # global batches of epoch ``epoch`` already trained on
+    finished: bool = False  # nothing left to train
+
+    @property
+    def key(self) -> tuple[int, int, int, bool]:
+        return self.step, self.epoch, self.batch_in_epoch, self.finished
+
+
+@dataclass
+class Snapshot:
+    """What one rank hands to ``Checkpointer.save`` at a step boundary (see the module doc)."""
+
+    position: Position
+    replicated: dict[str, torch.Tensor]
+    per_rank: dict[str, torch.Tensor]
+    payload: Payload
+    config: dict[str, Any] = field(default_factory=dict)
+    # Keys of ``replicated`` whose authoritative copy is rank 0's (module buffers: see
+    # ``state.assign_shards``); rank 0 writes them whatever the balance.
+    from_rank0: frozenset[str] = frozenset()
+
+    @property
+    def step(self) -> int:
+        return self.position.step
+
+
+class _StateDict(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+def capture(
+    position: Position,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    device: torch.device,
+    scheduler: _StateDict | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
+    per_rank: Mapping[str, torch.Tensor] | None = None,
+    app: Mapping[str, Any] | None = None,
+    accounting: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> Snapshot:
+    """This rank's state at a step boundary, ready for ``Checkpointer.save``.
+
+    ``model`` is the bare module (not the DDP wrapper); ``extra`` replicated tensors of the
+    loop's own; ``per_rank`` this rank's own tensors; ``app`` the loop's own JSON state (checked
+    here, on every rank: a value JSON cannot hold raises ``ValueError`` before any collective);
+    RNG streams (torch, CUDA on ``device``, numpy, python) are always captured. What a resumed
+    run must share with this one is the ``Checkpointer``'s fingerprint, written with every save.
+    """
+    model_sd, optim_sd = state_dicts(model, optimizer)
+    replicated, optim_meta = flatten(model_sd, optim_sd)
+    # Buffers (BatchNorm statistics) change in the next forward pass, before an async save's
+    # copy is guaranteed done: clone them now (they are small). Each rank's differ (its own batch
+    # updated them); DDP re-broadcasts rank 0's at the next forward, so rank 0's are saved.
+    buffers = frozenset(MODEL + name for name, _ in model.named_buffers()) & replicated.keys()
+    for key in buffers:
+        replicated[key] = replicated[key].clone()
+    for name, value in (extra or {}).items():
+        replicated[EXTRA + name] = value.detach()
+    rank_state = capture_rng(device)
+    for name, value in (per_rank or {}).items():
+        if name.startswith("rng."):
+            raise ValueError(f"per-rank state {name!r}: the rng. prefix is reserved for the RNG streams")
+        rank_state[name] = value.detach()
+    scaler_state = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+    for what, loop_state in (("app", app), ("accounting", accounting), ("config", config)):
+        try:
+            json.dumps(loop_state)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"capture({what}=...): not JSON-serialisable ({exc}); pass plain values") from None
+    payload = Payload(
+        optimizer=optim_meta,
+        scheduler=scheduler.state_dict() if scheduler is not None else None,
+        scaler=scaler_state or None,
+        accounting=dict(accounting) if accounting is not None else None,
+        app=dict(app or {}),
+    )
+    return Snapshot(
+        position=position,
+        replicated=replicated,
+        per_rank=rank_state,
+        payload=payload,
+        config=dict(config or {}),
+        from_rank0=buffers,
+    )
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``restore`` put back, and what only the loop can place."""
+
+    position: Position
+    payload: Payload
+    extra: dict[str, torch.Tensor]  # the ``extra`` tensors of ``capture``
+    saved_world_size: int
+    # Each old rank's ``per_rank`` tensors (RNG streams left out), by old rank.
+    old_ranks: list[dict[str, torch.Tensor]]
+    rng_restored: bool  # False at another world size: per-rank streams cannot be split or merged
+
+    @property
+    def same_world_size(self) -> bool:
+        return self.rng_restored
+
+
+class _Loaded(Protocol):
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]: ...
+
+    @property
+    def position(self) -> Position: ...
+
+    @property
+    def payload(self) -> Payload: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+
+def restore(
+    loaded: _Loaded,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    scheduler: _StateDict | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> Restored:
+    """Put a loaded checkpoint back: model (strict), optimizer (by parameter name), scheduler,
+    scaler and, at the same world size, this rank's RNG streams. Returns the rest."""
+    payload = loaded.payload
+    model_sd, optim_sd = unflatten(loaded.tensors, payload.optimizer)
+    load_state_dicts(model, optimizer, model_sd, optim_sd)
+    if scheduler is not None and payload.scheduler is not None:
+        scheduler.load_state_dict(payload.scheduler)
+    if scaler is not None and payload.scaler:
+        scaler.load_state_dict(payload.scaler)
+    same = loaded.world_size == world_size
+    if same:
+        restore_rng(rank_items(loaded.tensors, rank), device)
+    old_ranks = [
+        {k: v for k, v in rank_items(loaded.tensors, r).items() if not k.startswith("rng.")}
+        for r in range(loaded.world_size)
+    ]
+    extra = {k[len(EXTRA) :]: v for k, v in loaded.tensors.items() if k.startswith(EXTRA)}
+    return Restored(loaded.position, payload, extra, loaded.world_size, old_ranks, same)

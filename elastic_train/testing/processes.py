@@ -1,0 +1,146 @@
+"""Launching and reaping real processes.
+
+Every child runs in its own session (process group), so its caller can kill it and everything it
+spawned (torchrun's workers, DataLoader workers) in one ``killpg``, on success, failure or
+timeout. torchrun starts each worker in a session of its own, which a ``killpg`` misses: those are
+found by a token in their environment (``TOKEN_VAR``), which every descendant inherits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The source checkout this package runs from: children start there, with it on PYTHONPATH, and the
+# agents run its jobs/ scripts (an installed wheel has no jobs/: these helpers need the checkout).
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN_VAR = "ELASTIC_TRAIN_TEST_TOKEN"
+
+# A child gets no distributed, Slurm-job or job-script settings from the environment its caller
+# runs in (inside an allocation SLURM_RESTART_COUNT and friends would leak into the jobs).
+_NOT_INHERITED = ("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTIC_TRAIN", "SLURM_", "ET_")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (another process may take it before it is used)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tagged(token: str) -> list[int]:
+    """Live processes whose environment carries ``token`` (torchrun's workers inherit it, even
+    though torchrun starts each of them in a session of its own)."""
+    found = []
+    needle = f"{TOKEN_VAR}={token}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def kill_tagged(token: str) -> None:
+    """SIGKILL every live process that carries ``token``."""
+    for pid in tagged(token):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment without launcher and job settings, plus a fresh ``TOKEN_VAR``."""
+    env = {k: v for k, v in os.environ.items() if k == "SLURM_CONF" or not k.startswith(_NOT_INHERITED)}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), TOKEN_VAR: uuid.uuid4().hex})
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Finished:
+    """A command that ran to its end: its exit code, output and duration."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    leftovers: bool = False  # processes of its group still alive after it exited
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc``'s whole session (it was started with ``start_new_session=True``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def run(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Finished:
+    """Run to completion in a new session; on timeout kill the whole group and fail.
+
+    Whatever the outcome, nothing it started outlives it: its session and every process carrying
+    its token are killed (``Finished.leftovers`` says whether there was anything to kill).
+    """
+    start = time.monotonic()
+    child_env = base_env(env)
+    token = child_env[TOKEN_VAR]
+    proc = subprocess.Popen(
+        list(args),
+        env=child_env,
+        cwd=cwd or ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out}\n--- stderr\n{err}"
+        ) from None
+    finally:
+        leftovers = group_alive(proc.pid) or bool(tagged(token))
+        kill_group(proc)  # reap anything the child left behind
+        kill_tagged(token)  # including workers that torchrun put in sessions of their own
+    return Finished(list(args), proc.returncode, out, err, time.monotonic() - start, leftovers)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSON-lines log (strict: a torn line fails, unlike the report's reader)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

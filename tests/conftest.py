@@ -1,0 +1,65 @@
+"""Markers by folder (tests/layers.py): tests/unit -> unit, process -> multiprocess, launch ->
+torchrun, slurm -> slurm, netns -> netns.
+
+A test file directly in tests/ or in an unknown folder is a collection error, reported like any
+other (an exception from ``pytest_collection_modifyitems`` would crash pytest-xdist's workers with
+an INTERNALERROR instead of naming the file). A test that carries another layer's marker itself
+fails at setup, naming both.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+from tests.layers import MisplacedTestFile, layer_of, wrong_layer_markers
+
+pytest_plugins = ["pytester"]  # tests/unit/test_layers.py runs pytest on a scratch tree in-process
+
+TESTS = Path(__file__).resolve().parent
+_WRONG_LAYER = pytest.StashKey[str]()
+
+
+class _MisplacedModule(pytest.File):
+    """Stands in for a test module outside the layer folders: collecting it is an error."""
+
+    problem: str = ""
+
+    def collect(self) -> list[pytest.Item]:
+        raise self.CollectError(self.problem)
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if not any(fnmatch.fnmatch(module_path.name, p) for p in parent.config.getini("python_files")):
+        return None  # __init__.py or a helper module that pytest was asked to collect: not a test file
+    try:
+        layer_of(module_path, TESTS)
+    except MisplacedTestFile as exc:
+        misplaced = _MisplacedModule.from_parent(parent, path=module_path)
+        misplaced.problem = str(exc)
+        return misplaced
+    return None
+
+
+# tryfirst: the markers must be on the items before `-m` deselects by them (pytest's own hook).
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        layer = layer_of(item.path, TESTS)
+        if layer is None:
+            continue
+        wrong = wrong_layer_markers({m.name for m in item.iter_markers()}, layer)
+        if wrong:
+            item.stash[_WRONG_LAYER] = (
+                f"{item.nodeid} is marked {', '.join(wrong)} but sits in tests/{layer.folder}/ ({layer.marker}): "
+                "layer markers come from the folder; drop the marker or move the test to its layer's folder"
+            )
+        item.add_marker(layer.marker)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    problem = item.stash.get(_WRONG_LAYER, None)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)

@@ -1,0 +1,73 @@
+"""Checkpoint resume under real torchrun: worker killed and restarted; 2 ranks resumed by 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic_train.checkpoint.format import step_dir_name
+from tests.helpers import RESUME_RUN, assert_bitwise_equal, cli, dirs, epoch_metrics, final_state, torchrun
+
+pytestmark = pytest.mark.timeout(300)
+# torch's defaults (the agent's shared store across restarts): what a user's plain torchrun gets.
+AGENT_ENV: dict[str, str] = {}
+STANDALONE_2 = ["--standalone", "--nproc_per_node=2"]
+
+
+@pytest.fixture(scope="module")
+def reference_2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("reference2")
+    done = torchrun(STANDALONE_2, [*RESUME_RUN, *dirs(base)], env=AGENT_ENV)
+    assert done.returncode == 0, done.output
+    return base
+
+
+def test_worker_killed_mid_epoch_is_restarted_and_ends_bitwise_equal(tmp_path: Path, reference_2: Path) -> None:
+    done = torchrun(
+        [*STANDALONE_2, "--max-restarts=1"],
+        [*RESUME_RUN, *dirs(tmp_path)],
+        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=8"},
+    )
+    assert done.returncode == 0, done.output
+    assert f"Resumed from {tmp_path / 'ckpt' / step_dir_name(6)} at epoch 2, step 6" in done.stdout
+    assert "Training completed successfully." in done.stdout and not done.leftovers
+    assert_bitwise_equal(final_state(reference_2), final_state(tmp_path))
+    assert epoch_metrics(tmp_path) == epoch_metrics(reference_2)
+
+
+def test_a_two_rank_checkpoint_resumed_by_one_rank_sees_every_sample_once(tmp_path: Path, reference_2: Path) -> None:
+    crashed = torchrun(
+        [*STANDALONE_2, "--max-restarts=0"],
+        [*RESUME_RUN, *dirs(tmp_path)],
+        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "kill:rank=0:step=8"},
+    )
+    assert crashed.returncode != 0
+    alone = cli([*RESUME_RUN, *dirs(tmp_path)])
+    assert alone.returncode == 0, alone.output
+    assert f"Resumed from {tmp_path / 'ckpt' / step_dir_name(6)} at epoch 2, step 6" in alone.stdout
+    assert "Total processes used: 1" in alone.stdout
+    ours = [(m["epoch"], m["samples_seen"], m["sample_digest"]) for m in epoch_metrics(tmp_path)]
+    theirs = [(m["epoch"], m["samples_seen"], m["sample_digest"]) for m in epoch_metrics(reference_2)]
+    assert ours == theirs, "a sample was skipped or repeated across the change of world size"
+
+
+def test_a_model_with_buffers_resumes_bitwise_after_a_worker_kill(tmp_path: Path) -> None:
+    """ResNet-18's BatchNorm statistics differ between ranks at a step boundary (each rank's own
+    batch updated them); DDP re-broadcasts rank 0's at the next forward, so rank 0's are saved."""
+    args = [*RESUME_RUN, "--model", "resnet18", "--image-size", "16"]
+    reference = tmp_path / "reference"
+    done = torchrun(STANDALONE_2, [*args, *dirs(reference)], env=AGENT_ENV)
+    assert done.returncode == 0, done.output
+    killed = tmp_path / "killed"
+    done = torchrun(
+        [*STANDALONE_2, "--max-restarts=1"],
+        [*args, *dirs(killed)],
+        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=8"},
+    )
+    assert done.returncode == 0, done.output
+    assert "Resumed from" in done.stdout and not done.leftovers
+    state = final_state(killed)
+    assert any(k.endswith("running_mean") for k in state), "no BatchNorm buffers in the checkpoint"
+    assert_bitwise_equal(final_state(reference), state)
+    assert epoch_metrics(killed) == epoch_metrics(reference)

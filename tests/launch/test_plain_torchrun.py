@@ -1,0 +1,78 @@
+"""Plain ``torchrun`` as users type it: torch's defaults, no environment tweaks.
+
+torchrun's default shares the agent's TCPStore with the workers across rendezvous rounds; a
+restarted worker used to meet the previous round's process-group keys and hang (3 of 4 runs of
+exactly this command before the fix, see elastic_train/distributed/round.py). These runs must
+recover every time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Finished, flags, free_port, read_jsonl, torchrun
+
+TINY = flags(batch_size=8, max_steps_per_epoch=6, epochs=1, target_accuracy=1.0, image_size=16, checkpoint_every=2)
+RUNS = 20
+
+
+def dirs(base: Path) -> list[str]:
+    return ["--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
+
+
+@pytest.mark.timeout(RUNS * 60)
+def test_plain_torchrun_recovers_from_a_crash_every_time_with_the_default_shared_store(tmp_path: Path) -> None:
+    seconds = []
+    for attempt in range(RUNS):
+        base = tmp_path / f"run-{attempt}"
+        done = torchrun(
+            ["--standalone", "--nproc_per_node=2", "--max-restarts=3"],
+            [*TINY, *dirs(base)],
+            timeout=90,
+            env={"ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=5"},  # after step 2's checkpoint commits
+        )
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in done.args
+        assert done.returncode == 0, f"run {attempt} failed:\n{done.output[-4000:]}"
+        assert "Resumed from" in done.stdout and "Training completed successfully." in done.stdout, done.stdout
+        assert not done.leftovers
+        seconds.append(done.seconds)
+    print(f"{RUNS} of {RUNS} recovered; seconds per run: min {min(seconds):.1f}, max {max(seconds):.1f}")
+
+
+@pytest.mark.timeout(300)
+def test_two_plain_agents_recover_from_a_killed_worker_with_the_default_shared_store(tmp_path: Path) -> None:
+    """Two torchrun agents (one hosting the c10d rendezvous), one worker each; SIGKILL a worker."""
+    port = free_port()
+    common = [
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=plain-two",
+    ]
+    args = [*flags(batch_size=8, max_steps_per_epoch=6, epochs=2, target_accuracy=1.0, image_size=16), *dirs(tmp_path)]
+    env = {"ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=10"}  # after the epoch-end checkpoint commits
+    results: dict[str, Finished] = {}
+
+    def agent(name: str, extra: list[str]) -> None:
+        results[name] = torchrun([*common, *extra], args, timeout=240, env=env)
+
+    host = threading.Thread(target=agent, args=("host", ["--rdzv-conf=is_host=true"]))
+    other = threading.Thread(target=agent, args=("other", ["--rdzv-conf=is_host=false"]))
+    host.start()
+    time.sleep(0.5)
+    other.start()
+    host.join()
+    other.join()
+    for name in ("host", "other"):
+        assert name in results, f"agent {name} timed out"
+        assert results[name].returncode == 0, f"{name}: {results[name].output[-4000:]}"
+    logs = read_jsonl(tmp_path / "logs" / "rank-0.jsonl")
+    assert sum(e.get("event") == "start" for e in logs) == 2, "the workers were not restarted exactly once"
+    assert any(e.get("event") == "resumed" for e in logs), "the group did not restart from a checkpoint"
+    assert any(e.get("event") == "done" for e in logs)

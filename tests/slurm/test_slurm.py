@@ -1,0 +1,236 @@
+"""The job scripts under a real Slurm: completion, preemption -> requeue -> exact resume, crash cap.
+
+Needs a Slurm controller (`.ci/local-slurm.sh start` gives a single-node one; `.ci/run` does it
+and sets ELASTIC_TRAIN_REQUIRE_SLURM=1, so in CI a missing cluster fails instead of skipping).
+Every job runs the real scripts in jobs/ with the project's venv, on 2 CPU processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from elastic_train.outcome import PREEMPTED_MARKER, ExitCode
+from tests.helpers import (
+    ROOT,
+    TOKEN_VAR,
+    assert_bitwise_equal,
+    base_env,
+    final_state,
+    flags,
+    free_port,
+    kill_tagged,
+    run,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+RUN = flags(batch_size=32, max_steps_per_epoch=60, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=5)
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def slurm_problem() -> str | None:
+    if shutil.which("sbatch") is None:
+        return "sbatch is not installed (start a local cluster: sudo .ci/local-slurm.sh start)"
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+    if "is UP" not in ping.stdout:
+        return f"no Slurm controller answers `scontrol ping` ({ping.stdout.strip()}{ping.stderr.strip()})"
+    return None
+
+
+@dataclass
+class Job:
+    id: str
+    output: Path
+
+    def info(self) -> dict[str, str]:
+        done = subprocess.run(["scontrol", "show", "job", "-o", self.id], capture_output=True, text=True, timeout=30)
+        return dict(re.findall(r"(\w+)=(\S*)", done.stdout))
+
+    def text(self) -> str:
+        return self.output.read_text() if self.output.exists() else ""
+
+    def wait(self, timeout: float) -> dict[str, str]:
+        """Until the job is over for good (a requeue passes through PENDING, never a terminal state)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.info()
+            if info.get("JobState") in TERMINAL:
+                return info
+            time.sleep(1)
+        raise AssertionError(f"job {self.id} not finished after {timeout}s: {self.info()}\n{self.text()}")
+
+
+class Cluster:
+    """Submits jobs from the project root; cancels them and kills their processes afterwards."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.env = base_env({"ET_VENV": sys.prefix})
+        self.jobs: list[Job] = []
+
+    def submit(self, script: str, args: list[str], env: dict[str, str], *sbatch: str) -> Job:
+        output = self.tmp / f"job-{len(self.jobs)}.out"
+        cmd = ["sbatch", "--parsable", f"--output={output}", "--cpus-per-task=2", "--time=10", *sbatch, script, *args]
+        done = subprocess.run(cmd, cwd=ROOT, env={**self.env, **env}, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        job = Job(done.stdout.strip().split(";")[0], output)
+        self.jobs.append(job)
+        return job
+
+    def close(self) -> None:
+        for job in self.jobs:
+            subprocess.run(["scancel", job.id], capture_output=True, timeout=30)
+        for job in self.jobs:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and job.info().get("JobState") not in TERMINAL:
+                time.sleep(0.5)
+        kill_tagged(self.env[TOKEN_VAR])
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    problem = slurm_problem()
+    if problem is not None:
+        if os.environ.get("ELASTIC_TRAIN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"ELASTIC_TRAIN_REQUIRE_SLURM=1 but {problem}")
+        pytest.skip(problem)
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def dirs(base: Path) -> dict[str, str]:
+    return {"ET_LOG_DIR": str(base / "logs"), "ET_CHECKPOINT_DIR": str(base / "ckpt")}
+
+
+def committed(log_dir: Path) -> bool:
+    """Rank 0 has logged a checkpoint commit (the log may not exist yet, or end mid-line)."""
+    try:
+        return '"event": "checkpoint_committed"' in (log_dir / "rank-0.jsonl").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def wait_for_checkpoint(job: Job, log_dir: Path, timeout: float = 180) -> None:
+    """Until the job has committed its first checkpoint (so a signal lands mid-training)."""
+    deadline = time.monotonic() + timeout
+    while not committed(log_dir):
+        info = job.info()
+        assert info.get("JobState") not in TERMINAL, f"job ended early: {info}\n{job.text()}"
+        assert time.monotonic() < deadline, f"no checkpoint after {timeout}s\n{job.text()}"
+        time.sleep(0.2)
+
+
+def uninterrupted(base: Path) -> None:
+    """The same training without Slurm and without a signal: the bitwise reference."""
+    done = run(["bash", "jobs/train.sbatch", *RUN], timeout=240, env={"ET_VENV": sys.prefix, **dirs(base)})
+    assert done.returncode == 0, done.output
+
+
+def test_train_sbatch_runs_to_completion(cluster: Cluster, tmp_path: Path) -> None:
+    # The command of README.md and docs/slurm.md: sbatch --cpus-per-task=2 jobs/train.sbatch ...
+    job = cluster.submit("jobs/train.sbatch", ["--epochs", "2", "--max-steps-per-epoch", "10"], dirs(tmp_path))
+    info = job.wait(240)
+    text = job.text()
+    assert info["JobState"] == "COMPLETED", text
+    assert "Training started with 2 processes" in text and "Training completed successfully." in text
+    assert "(restart 0)" in text and "requeueing" not in text
+
+
+def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, tmp_path: Path) -> None:
+    uninterrupted(tmp_path / "reference")
+    base = tmp_path / "slurm"
+    job = cluster.submit("jobs/train.sbatch", RUN, dirs(base))
+    wait_for_checkpoint(job, base / "logs", timeout=150)
+    subprocess.run(["scancel", "-s", "USR1", "-b", job.id], check=True, timeout=30)
+    info = job.wait(200)
+    text = job.text()
+    assert info["JobState"] == "COMPLETED", text
+    assert info["Restarts"] == "1", info  # SLURM_RESTART_COUNT=1 in the second run
+    first, _, second = text.partition("(restart 1)")
+    assert second, f"the requeued run did not start:\n{text}"
+    assert "forwarding SIGUSR1" in first and 'preempted ({"step": ' in first and '"committed": true' in first, first
+    assert "requeueing job" in first, first
+    assert f"Resumed from {base / 'ckpt'}" in second, second
+    assert "(preemption: 1)" in second and "Steps recomputed: 0" in second, second
+    assert "Training completed successfully." in second
+    assert_bitwise_equal(final_state(tmp_path / "reference"), final_state(base))
+
+
+def test_a_crash_is_requeued_at_most_the_cap_then_fails_with_its_cause(cluster: Cluster, tmp_path: Path) -> None:
+    env = {**dirs(tmp_path), "ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=3:always", "ET_MAX_REQUEUES": "2"}
+    job = cluster.submit("jobs/train.sbatch", ["--max-steps-per-epoch", "5", "--epochs", "2"], env)
+    info = job.wait(240)
+    text = job.text()
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "2", info
+    assert text.count("requeueing job") == 2, text
+    assert "not requeued: SLURM_RESTART_COUNT=2 has reached the cap of 2" in text
+    assert "InjectedFault" in text and "injected fault: raise at step 3" in text  # torchrun's root cause
+
+
+def test_multinode_sbatch_preempts_requeues_and_resumes(cluster: Cluster, tmp_path: Path) -> None:
+    # One node here: the store, srun's signal relay and the agent's requeue loop are the same as on
+    # many (two agents losing and regaining a node are in tests/launch/test_elastic.py).
+    env = {**dirs(tmp_path), "ET_RDZV_PORT": str(free_port()), "ET_NPROC": "2"}
+    job = cluster.submit("jobs/multinode.sbatch", RUN, env, "--nodes=1")
+    wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
+    subprocess.run(["scancel", "-s", "USR1", "-b", job.id], check=True, timeout=30)
+    info = job.wait(200)
+    text = job.text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
+    first, _, second = text.partition("(restart 1)")
+    assert "forwarding SIGUSR1" in first and 'preempted ({"step": ' in first and '"committed": true' in first, first
+    assert "requeueing job" in first, first
+    assert "Resumed from" in second and "Steps recomputed: 0" in second, second
+    assert "Training completed successfully." in second
+
+
+def test_a_cancelled_job_saves_but_is_not_requeued(cluster: Cluster, tmp_path: Path) -> None:
+    job = cluster.submit("jobs/train.sbatch", RUN, dirs(tmp_path))
+    wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
+    subprocess.run(["scancel", job.id], check=True, timeout=30)  # SIGTERM to the job, then SIGKILL
+    info = job.wait(120)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    time.sleep(15)  # longer than a requeue would take to show (cred_expire=10)
+    info = job.info()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", f"{info}\n{job.text()}"
+
+
+def test_a_node_joining_a_multinode_job_is_not_a_preemption_and_the_job_completes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """torchrun stops its workers with SIGTERM when a node joins: they checkpoint and restart at the
+    larger size. That must not be booked as a preemption, and the job must not requeue for it."""
+    from elastic_train.testing.agents import Agent, all_events
+
+    port = free_port()
+    env = {**dirs(tmp_path), "ET_RDZV_PORT": str(port), "ET_NPROC": "1", "ET_NNODES": "1:2"}
+    long_run = flags(batch_size=32, max_steps_per_epoch=30, epochs=2, target_accuracy=1.0, patience=0)
+    job = cluster.submit("jobs/multinode.sbatch", [*long_run, "--checkpoint-every", "5"], env, "--nodes=1")
+    wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
+    # "A node joins": a second agent, outside the allocation, in the job's rendezvous.
+    joiner = Agent("joiner", tmp_path, f"127.0.0.1:{port}", job.id, [*long_run, "--checkpoint-every", "5"])
+    try:
+        info = job.wait(300)
+        joiner.wait(120)
+    finally:
+        joiner.cleanup()
+    text = job.text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{text}"
+    assert "requeueing" not in text and "Training completed successfully." in text + joiner.output
+    assert not (tmp_path / "ckpt" / PREEMPTED_MARKER).exists()
+    stops = [e for e in all_events(tmp_path, "exit") if e.get("reason") == "stopped"]
+    assert stops and all(e["code"] == ExitCode.STOPPED for e in stops), "the membership change did not stop the workers"
+    assert any(e["world_size"] == 2 for e in all_events(tmp_path, "first_step")), "the job never grew to 2"

@@ -1,0 +1,142 @@
+"""No stale docs: every command in a ```bash block of README.md or docs/*.md is run by a test.
+
+Each documented command must match one rule below, and the rule must hold:
+
+* ``RUN_HERE``: run verbatim by ``test_quickstart_commands_run_verbatim``
+  (tests/launch/test_docs_run.py), in order, in one fresh directory (the trainer's quick run
+  leaves the logs and checkpoints the later commands read).
+* ``COVERED_BY``: run, in the same form, by the named test (which must exist), e.g. the sbatch
+  submissions by tests/slurm/test_slurm.py and the agent script by tests/launch/test_elastic.py.
+* ``CLUSTER_EXAMPLE``: GPU and multi-node examples that cannot run on a CPU machine; checked
+  statically: every repository file they name exists and the trainer flags parse and validate.
+
+Output samples and diagrams go in ```text blocks, which are not commands.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from elastic_train.cli import parse_config
+from tests.helpers import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+RUN_HERE = [
+    "python -m elastic_train --epochs 2 --max-steps-per-epoch 10",
+    "python -m elastic_train.launch --standalone --nproc_per_node=2 --max-restarts=3 -m elastic_train "
+    "--epochs 2 --max-steps-per-epoch 10",
+    "torchrun --standalone --nproc_per_node=2 --max-restarts=3 -m elastic_train --epochs 2 --max-steps-per-epoch 10",
+    "python -m elastic_train.ckpt list checkpoints",
+    "python -m elastic_train.ckpt verify checkpoints",
+    "python -m elastic_train.ckpt inspect checkpoints",
+    "python -m elastic_train.ckpt export checkpoints -o model.safetensors",
+    "python -m elastic_train.report logs -o report.png",
+]
+ELASTIC = "tests/launch/test_elastic.py::"
+SLURM = "tests/slurm/test_slurm.py::"
+COVERED_BY: dict[str, str] = {
+    r"make demo": "Makefile target; .ci/run runs `make test`, tests/process/test_make_targets.py checks `demo`",
+    r"make test": "Makefile target; .ci/run runs it",
+    r"make bench": "Makefile target; test_make_targets_exist checks it",
+    r"make gpu-check": "Makefile target (needs a GPU); test_make_targets_exist checks it, "
+    "tests/launch/test_gpu_check.py runs its CPU smoke mode",
+    r"sudo \.ci/local-slurm\.sh (start|stop)": ".ci/run",
+    r"python -m elastic_train\.rendezvous --port 29400 &": ELASTIC
+    + "test_losing_the_node_at_the_rendezvous_endpoint_with_the_standalone_store_is_survived",
+    r"ET_RDZV_ENDPOINT=\S+ ET_NNODES=1:4 jobs/elastic-agent\.sh --epochs 100": ELASTIC
+    + "test_a_new_node_joining_grows_the_job_back_to_two",
+    # The torchrun line that jobs/elastic-agent.sh runs (the docs spell it out; the test runs the script).
+    r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 .*-m elastic_train .*": ELASTIC
+    + "test_a_new_node_joining_grows_the_job_back_to_two",
+    r"sbatch --cpus-per-task=2 jobs/train\.sbatch --epochs 2 --max-steps-per-epoch 10": SLURM
+    + "test_train_sbatch_runs_to_completion",
+}
+EXAMPLES = "tests/launch/test_examples.py::"
+README_RUN = EXAMPLES + "test_the_readme_examples_run_verbatim"
+COVERED_BY.update(
+    {
+        # "Train your own model": run from a scratch folder with the repository on PYTHONPATH.
+        r"torchrun --standalone --nproc_per_node=2 -m elastic_train --model torchvision:mobilenet_v3_small "
+        r"--dataset synthetic --epochs 2 --max-steps-per-epoch 5": README_RUN,
+        r"torchrun --standalone --nproc_per_node=2 -m elastic_train --task examples\.lm_task:task "
+        r"--epochs 2 --max-steps-per-epoch 5 --target-accuracy 1\.0": EXAMPLES
+        + "test_the_readme_examples_run_verbatim",
+        r"torchrun --nnodes=1:2 --nproc-per-node=2 --max-restarts=3 --rdzv-backend=c10d "
+        r"--rdzv-endpoint=localhost:29400 --rdzv-id=charlm examples/char_lm\.py --checkpoint-dir checkpoints/charlm": (
+            EXAMPLES + "test_the_custom_loop_survives_a_killed_worker_and_ends_bit_for_bit_equal"
+        ),
+    }
+)
+CLUSTER_EXAMPLE = [r"--gpus", r"--nproc_per_node=4", r"apptainer", r"ET_CONTAINER="]
+
+
+def commands(path: Path) -> list[str]:
+    """The commands of the ```bash blocks: continuations joined, comments and blank lines dropped."""
+    found, in_bash, pending = [], False, ""
+    for line in path.read_text().splitlines():
+        if line.strip().startswith("```"):  # fences may be indented (inside a list item)
+            in_bash = not in_bash and line.strip() == "```bash"
+            continue
+        if not in_bash:
+            continue
+        text = re.sub(r"\s{2,}#.*$", "", line).strip()  # a trailing "   # comment"
+        if not text or text.startswith("#"):
+            continue
+        pending += text
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip() + " "
+            continue
+        found.append(pending)
+        pending = ""
+    return found
+
+
+ALL = [(path, cmd) for path in DOCS for cmd in commands(path)]
+
+
+def rule_for(cmd: str) -> str:
+    if cmd in RUN_HERE:
+        return "run here"
+    for pattern, by in COVERED_BY.items():
+        if re.fullmatch(pattern, cmd):  # the whole command: no extra or changed arguments
+            return f"covered by {by}"
+    if any(re.search(p, cmd) for p in CLUSTER_EXAMPLE):
+        return "cluster example"
+    return "none"
+
+
+def test_the_docs_have_commands_and_every_rule_is_still_used() -> None:
+    documented = {cmd for _, cmd in ALL}
+    assert len(documented) >= 15
+    assert not [cmd for cmd in RUN_HERE if cmd not in documented], "RUN_HERE lists commands no doc shows"
+    unused = [p for p in COVERED_BY if not any(re.fullmatch(p, cmd) for cmd in documented)]
+    assert not unused, f"COVERED_BY rules that match no documented command: {unused}"
+
+
+@pytest.mark.parametrize(("path", "cmd"), ALL, ids=[f"{p.name}:{c[:60]}" for p, c in ALL])
+def test_every_documented_command_is_covered(path: Path, cmd: str) -> None:
+    rule = rule_for(cmd)
+    assert rule != "none", f"{path.name}: `{cmd}` is run by no test: add it to RUN_HERE/COVERED_BY or fix the doc"
+    if rule.startswith("covered by tests/"):
+        file, _, name = rule.removeprefix("covered by ").partition("::")
+        assert f"def {name}(" in (ROOT / file).read_text(), f"{rule}: no such test"
+    if rule == "cluster example":
+        check_cluster_example(cmd)
+
+
+def check_cluster_example(cmd: str) -> None:
+    words = shlex.split(cmd.replace("$USER", "someone"))
+    for word in words:
+        if word.startswith(("jobs/", "benchmarks/", "elastic_train/")):
+            assert (ROOT / word).exists(), f"`{cmd}` names {word}, which does not exist"
+    if "-m" in words and "elastic_train" in words:
+        trainer = words[words.index("elastic_train") + 1 :]
+    else:
+        script = next(i for i, w in enumerate(words) if w.endswith(".sbatch") or w.endswith(".sh"))
+        trainer = words[script + 1 :]
+    parse_config(trainer)  # raises UsageError on an unknown flag or a bad value
