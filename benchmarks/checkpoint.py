@@ -78,10 +78,9 @@ def worker(rank: int, world: int, init_file: str, folder: str, megabytes: int, r
     import torch.distributed as dist
 
     from elastic_train.checkpoint.format import latest_target
-    from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Snapshot, load
-    from elastic_train.checkpoint.state import flatten, load_state_dicts, state_dicts, unflatten
+    from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, load
+    from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
     from elastic_train.distributed.env import DistEnv
-    from elastic_train.faults import FaultInjector
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -97,9 +96,11 @@ def worker(rank: int, world: int, init_file: str, folder: str, megabytes: int, r
         "torch_load_s": [],
     }
 
+    cpu = torch.device("cpu")
+
     def snapshot(step: int) -> Snapshot:
-        tensors, meta = flatten(*state_dicts(model, optimizer))
-        return Snapshot(step, 0, step, tensors, {}, meta, {"bench": 1}, {})
+        # What the trainer hands to a save: the public ``capture`` (tensors by flat key, RNG streams).
+        return capture(Position(step, 0, step), model, optimizer, device=cpu)
 
     def clean() -> None:
         dist.barrier()
@@ -115,9 +116,7 @@ def worker(rank: int, world: int, init_file: str, folder: str, megabytes: int, r
 
     for i in range(repeats):
         root = Path(folder) / f"run{i}"
-        ck = Checkpointer(
-            CheckpointConfig(root=root, keep_last=2), env, FaultInjector([], rank, root / ".f"), {"bench": 1}
-        )
+        ck = Checkpointer(CheckpointConfig(root=root, keep_last=2), env, {"bench": 1})
         ck.start()
         # 1. Save bandwidth: a synchronous sharded save, both ranks writing their halves in parallel,
         #    against dd with fsync writing the same number of bytes, each from a clean page cache.
@@ -171,8 +170,7 @@ def worker(rank: int, world: int, init_file: str, folder: str, megabytes: int, r
         load(newest)
         start = time.perf_counter()
         loaded = load(newest)
-        model_sd, optim_sd = unflatten(loaded.tensors, loaded.manifest.trainer)
-        load_state_dicts(model, optimizer, model_sd, optim_sd)
+        restore(loaded, model, optimizer, rank=rank, world_size=world, device=cpu)
         ours_load = time.perf_counter() - start
         if rank == 0:
             raw["dd_mb_s"].append(size / dd / 1e6)

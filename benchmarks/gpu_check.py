@@ -123,38 +123,44 @@ def _async_save_probe(device: str, base: Path) -> int:
     import torch
     from safetensors.torch import load_file
 
+    from elastic_train.boundary import SavePolicy, StepBoundary
     from elastic_train.checkpoint.format import latest_target
+    from elastic_train.checkpoint.manager import Checkpointer
     from elastic_train.cli import parse_config
-    from elastic_train.data import build_data
+    from elastic_train.data import open_task_data
     from elastic_train.distributed.env import DistEnv
     from elastic_train.distributed.process_group import ControlPlane, choose_placement, process_group
-    from elastic_train.faults import FaultInjector
-    from elastic_train.run import checkpoint_config
+    from elastic_train.faults import CheckpointFaults, FaultInjector
+    from elastic_train.run import checkpoint_config, choose_task, run_fingerprint
     from elastic_train.trainer import Trainer
 
     cfg = parse_config(["--device", device, "--amp", "--checkpoint-dir", str(base / "ckpt"), "--log-dir", str(base)])
     env = DistEnv.from_environ()
     placement = choose_placement(cfg.device, env)
     with process_group(env, placement, 120):
-        from elastic_train.checkpoint.manager import Checkpointer
-
+        # Built as run._train_in_group builds it, minus the watchdog, tracker and stop signals.
         control = ControlPlane()
-        bundle = build_data(cfg, env)
+        task = choose_task(cfg)
+        data = open_task_data(task, cfg, env)
+        fingerprint = run_fingerprint(cfg, task, data.identify(), builtin=cfg.task is None)
         faults = FaultInjector.from_environ(0, base / ".faults")
-        ck = Checkpointer(checkpoint_config(cfg), env, faults, cfg.fingerprint(bundle.identity()), control.group)
+        ck = Checkpointer(checkpoint_config(cfg), env, fingerprint, control.group, CheckpointFaults(faults))
         ck.start()
-        trainer = Trainer(cfg, env, placement, bundle, faults, ck, control)
+        # The boundary is what makes train_step wait for the staging copies before the optimizer
+        # step; the probe starts the save itself, so nothing is due by policy.
+        boundary = StepBoundary(ck, control, SavePolicy(), async_save=True, is_main=env.is_main)
+        trainer = Trainer(cfg, env, placement, task, data, faults, boundary)
         batches = iter(trainer.train_loader)
         for _ in range(3):
-            images, labels, _ = next(batches)
-            trainer.train_step(*trainer._inputs(images, labels))
+            *batch, _indices = next(batches)
+            trainer.train_step(*task.to_device(batch, trainer.device))
         trainer.state.step = 3
         snap = trainer.snapshot()
         expected = {k: v.detach().to("cpu", copy=True) for k, v in snap.replicated.items()}
         ck.save(snap, sync=False)
         for _ in range(3):  # training goes on while the copies and the write run
-            images, labels, _ = next(batches)
-            trainer.train_step(*trainer._inputs(images, labels))
+            *batch, _indices = next(batches)
+            trainer.train_step(*task.to_device(batch, trainer.device))
         committed = ck.commit_pending() if ck.pending else ck.last_committed_step == 3
         trainer.close()
         ck.close()

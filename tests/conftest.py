@@ -10,10 +10,12 @@ fails at setup, naming both.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from elastic_train.testing.agents import Agent
 from tests.layers import MisplacedTestFile, layer_of, wrong_layer_markers
 
 pytest_plugins = ["pytester"]  # tests/unit/test_layers.py runs pytest on a scratch tree in-process
@@ -63,3 +65,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     problem = item.stash.get(_WRONG_LAYER, None)
     if problem is not None:
         pytest.fail(problem, pytrace=False)
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    """The torchrun agents a test starts (two-agent harness); each is cleaned up, its processes
+    reaped, whatever the outcome."""
+    started: list[Agent] = []
+    yield started
+    for agent in started:
+        agent.cleanup()

@@ -142,7 +142,6 @@ class Manifest:
     finished: bool = False  # saved after the last epoch: nothing left to train
     format: str = FORMAT
     version: int = VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
     # The line of training this state lies on: minted by a fresh start, inherited on resume,
     # minted again when a run resumes from a checkpoint older than the directory's newest
     # (a fork). Two checkpoints of one step are the same only on the same timeline.
@@ -177,6 +176,7 @@ class Manifest:
             raise CheckpointInvalid(f"{source}: format version {version} (this build reads {readable})")
         try:
             raw["files"] = {name: FileEntry(**entry) for name, entry in raw["files"].items()}
+            raw.pop("extra", None)  # an unused field of versions 1 and 2
             if raw["version"] < 3:
                 raw["payload"] = payload_from_trainer_dict(raw.pop("trainer"))
             raw["payload"] = Payload.from_json(raw["payload"])

@@ -14,7 +14,7 @@ Two kinds, told apart by the signal:
 Codes, marker files and their writer live in ``elastic_train.outcome``.
 
 The handlers only record the request. At the next step boundary the ranks agree on it (see
-``Trainer._step_boundary``), so a signal that reached one rank stops all of them at the same step.
+``boundary.StepBoundary``), so a signal that reached one rank stops all of them at the same step.
 Repeated signals are ignored: Slurm and torchrun often deliver each signal twice.
 
 **The grace period.** A Python handler runs only when the main thread is back in the

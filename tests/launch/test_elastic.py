@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,14 +38,6 @@ RUN = [
 ]
 # Long enough that a node can be killed while training is under way.
 LONG = [*RUN, "--max-steps-per-epoch", "24"]
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[Agent]]:
-    started: list[Agent] = []
-    yield started
-    for agent in started:
-        agent.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ shrinks, and the thawed node must not fork the timeline (tests/impolite.py has t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,6 @@ from tests.impolite import (
 )
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def agents() -> Iterator[list[Agent]]:
-    started: list[Agent] = []
-    yield started
-    for agent in started:
-        agent.cleanup()
 
 
 @pytest.fixture(scope="module")

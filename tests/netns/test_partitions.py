@@ -38,14 +38,6 @@ from tests.impolite import (
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture
-def agents() -> Iterator[list[Agent]]:
-    started: list[Agent] = []
-    yield started
-    for agent in started:
-        agent.cleanup()
-
-
 @pytest.fixture(scope="module")
 def netns_available() -> None:
     """Skip (or fail, in CI) where namespaces cannot be made: before the reference run starts."""

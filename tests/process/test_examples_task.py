@@ -22,16 +22,23 @@ TASK = [
 ]
 
 
-def _run(base: Path, env: dict[str, str] | None = None) -> list[int]:
+def _run(base: Path, env: dict[str, str] | None = None, world_size: int = 2) -> list[int]:
     args = [*TASK, *flags(log_dir=base / "logs", checkpoint_dir=base / "ckpt")]
-    with ranks(2, args, env) as procs:
+    with ranks(world_size, args, env) as procs:
         done = wait_all(procs, timeout=150)
     return [d.returncode for d in done]
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted two-rank run every other run is compared with."""
+    base = tmp_path_factory.mktemp("clean")
+    assert _run(base) == [0, 0]
+    return base
+
+
 @pytest.mark.timeout(300)
-def test_a_plug_in_task_resumes_mid_epoch_bit_for_bit_with_its_extra_state(tmp_path: Path) -> None:
-    assert _run(tmp_path / "clean") == [0, 0]
+def test_a_plug_in_task_resumes_mid_epoch_bit_for_bit_with_its_extra_state(clean: Path, tmp_path: Path) -> None:
     faulty = tmp_path / "faulty"
     codes = _run(faulty, {"ELASTIC_TRAIN_FAULTS": "raise:rank=0:step=9"})
     assert codes[0] not in (0, 2), "the injected fault ends the first attempt"
@@ -40,18 +47,31 @@ def test_a_plug_in_task_resumes_mid_epoch_bit_for_bit_with_its_extra_state(tmp_p
     (resumed,) = [e for e in read_jsonl(faulty / "logs" / "rank-0.jsonl") if e.get("event") == "resumed"]
     assert resumed["step"] == 8 and resumed["batch_in_epoch"] == 2, "resumed mid-epoch 2"
     for part in (("model.",), ("extra.",)):
-        assert state_hash(faulty / "ckpt", part) == state_hash(tmp_path / "clean" / "ckpt", part), part
-    clean = read_jsonl(tmp_path / "clean" / "logs" / "metrics.jsonl")
+        assert state_hash(faulty / "ckpt", part) == state_hash(clean / "ckpt", part), part
+    reference = read_jsonl(clean / "logs" / "metrics.jsonl")
     again = read_jsonl(faulty / "logs" / "metrics.jsonl")
-    assert [r["sample_digest"] for r in again] == [r["sample_digest"] for r in clean], "every sample once"
-    assert again[-1]["val_metrics"] == clean[-1]["val_metrics"] and "bits_per_char" in clean[-1]["val_metrics"]
+    assert [r["sample_digest"] for r in again] == [r["sample_digest"] for r in reference], "every sample once"
+    assert again[-1]["val_metrics"] == reference[-1]["val_metrics"]
+    assert "bits_per_char" in reference[-1]["val_metrics"]
+
+
+@pytest.mark.timeout(300)
+def test_a_plug_in_task_continues_at_another_world_size_with_every_sample_once(clean: Path, tmp_path: Path) -> None:
+    """Two ranks fail mid-epoch 2; one rank continues: the same global batches, each sample once."""
+    assert _run(tmp_path, {"ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=9"})[1] not in (0, 2)
+    assert _run(tmp_path, world_size=1) == [0]
+    reference = read_jsonl(clean / "logs" / "metrics.jsonl")
+    resized = read_jsonl(tmp_path / "logs" / "metrics.jsonl")
+    assert [(r["samples_seen"], r["sample_digest"]) for r in resized] == [
+        (r["samples_seen"], r["sample_digest"]) for r in reference
+    ]
+    assert resized[-1]["world_size"] == 1 and resized[-1]["val_samples"] == reference[-1]["val_samples"]
 
 
 @pytest.mark.timeout(200)
-def test_a_checkpoint_of_a_task_is_refused_by_a_run_of_another_task(tmp_path: Path) -> None:
-    assert _run(tmp_path) == [0, 0]
+def test_a_checkpoint_of_a_task_is_refused_by_a_run_of_another_task(clean: Path, tmp_path: Path) -> None:
     args = [*flags(epochs=3, batch_size=16, max_steps_per_epoch=2, log_dir=tmp_path / "logs")]
-    with ranks(1, [*args, *flags(checkpoint_dir=tmp_path / "ckpt")]) as procs:
+    with ranks(1, [*args, *flags(checkpoint_dir=clean / "ckpt")]) as procs:
         (done,) = wait_all(procs, timeout=120)
     assert done.returncode == 2, done.output
     assert "task: checkpoint 'examples.lm_task:task', this run None" in done.stderr

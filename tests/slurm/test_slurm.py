@@ -30,6 +30,7 @@ from tests.helpers import (
     free_port,
     kill_tagged,
     run,
+    state_hash,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -234,3 +235,28 @@ def test_a_node_joining_a_multinode_job_is_not_a_preemption_and_the_job_complete
     stops = [e for e in all_events(tmp_path, "exit") if e.get("reason") == "stopped"]
     assert stops and all(e["code"] == ExitCode.STOPPED for e in stops), "the membership change did not stop the workers"
     assert any(e["world_size"] == 2 for e in all_events(tmp_path, "first_step")), "the job never grew to 2"
+
+
+TASK_RUN = [
+    "--task",
+    "examples.lm_task:task",
+    *flags(epochs=2, batch_size=16, target_accuracy=1.0, checkpoint_every=5),  # 70 steps per epoch
+]
+
+
+def test_a_plug_in_task_job_is_preempted_requeued_and_resumes_bit_for_bit(cluster: Cluster, tmp_path: Path) -> None:
+    """jobs/train.sbatch --task ...: the plug-in gets the Slurm machinery unchanged, its extra
+    state (an EMA of the weights) included."""
+    reference = tmp_path / "reference"
+    done = run(["bash", "jobs/train.sbatch", *TASK_RUN], timeout=240, env={"ET_VENV": sys.prefix, **dirs(reference)})
+    assert done.returncode == 0, done.output
+    base = tmp_path / "slurm"
+    job = cluster.submit("jobs/train.sbatch", TASK_RUN, dirs(base))
+    wait_for_checkpoint(job, base / "logs", timeout=150)
+    subprocess.run(["scancel", "-s", "USR1", "-b", job.id], check=True, timeout=30)
+    info = job.wait(200)
+    text = job.text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
+    assert "char-lm (examples.lm_task:task)" in text and "bits_per_char=" in text
+    for family in (("model.",), ("extra.",)):
+        assert state_hash(base / "ckpt", family) == state_hash(reference / "ckpt", family), family

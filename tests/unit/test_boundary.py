@@ -7,12 +7,9 @@ so the agreement, the async commit, the policies and the stop path are all exerc
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elastic_train.boundary import Decision, SavePolicy, StepBoundary, Votes
@@ -24,15 +21,6 @@ from elastic_train.distributed.process_group import ControlPlane
 from elastic_train.resilience.preemption import PreemptionFlag, StopKind
 
 FINGERPRINT = {"test": "boundary"}
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Loop:

@@ -8,7 +8,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -533,16 +532,8 @@ def test_the_lock_ttl_outlasts_the_hang_timeout_unless_overridden(monkeypatch: p
 
 # ---------------------------------------------------------------------------- save decisions
 @pytest.fixture
-def group(tmp_path: Path) -> Iterator[None]:
-    """A one-process gloo group, as the checkpointer's collectives need one."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def group(world_of_one: None) -> None:
+    """The checkpointer's collectives need a process group (tests/unit/conftest.py)."""
 
 
 def checkpointer(root: Path, resume: str = "auto") -> Checkpointer:

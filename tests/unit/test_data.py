@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from elastic_train.config import TrainConfig
 from elastic_train.data import Indexed, load_bundle, open_task_data
@@ -192,16 +191,14 @@ def test_generated_datasets_are_identified_by_their_recipe() -> None:
     assert digits().identity()["train_content"] != ident["train_content"]
 
 
-def test_the_identity_is_computed_once_and_adopted_without_reading_files_again(tmp_path: Path) -> None:
+def test_the_identity_is_computed_once_and_adopted_without_reading_files_again(
+    world_of_one: None, tmp_path: Path
+) -> None:
     """open_task_data: rank 0 computes the identity (one stat per file) and every rank adopts
     that value; here, a world of one, the adopted value survives the files disappearing."""
     imagefolder_tree(tmp_path)
     cfg = TrainConfig(dataset="imagefolder", data_dir=tmp_path, batch_size=4, image_size=32)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        data = open_task_data(image_task(cfg), cfg, DistEnv())
-    finally:
-        dist.destroy_process_group()
+    data = open_task_data(image_task(cfg), cfg, DistEnv())
     before = data.identify()
     assert before["train_samples"] == 18 and before["train_content"].startswith("18 files, sha256 ")
     shutil.rmtree(tmp_path / "train")  # reading the files now would fail

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import elastic_train as et
@@ -27,15 +25,6 @@ from elastic_train.checkpoint.snapshot import EXTRA
 
 FINGERPRINT = {"test": "snapshot"}
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def net() -> nn.Module:
