@@ -128,7 +128,7 @@ class StepBoundary:
         # Nothing posted yet (the first step of this process or epoch): no stop, no commit.
         agreed = Votes.decode(posted) if posted is not None else Votes(shard_pending=True)
         if agreed.stop:
-            return self.stop_now(StopKind(agreed.stop), step, snapshot)
+            return self.stop_now(StopKind(agreed.stop), snapshot)
         not_done = agreed.shard_pending
         if ck.pending and not_done:
             # Every rank has the same save pending: ask again now, not a step later.
@@ -153,13 +153,13 @@ class StepBoundary:
         if finished:
             if not committed:
                 log.error("final_checkpoint_failed", detail="the newest committed checkpoint is older")
-            return Decision(saved=True, committed=bool(committed))
+            return Decision(saved=bool(committed), committed=bool(committed))
         stop = self._agree(Votes(stop=self._votes().stop)).stop
         if stop:
-            return self.stop_now(stop, None, snapshot)
+            return self.stop_now(stop, snapshot)
         return Decision(saved=True)
 
-    def stop_now(self, kind: StopKind, step: int | None, snapshot: SnapshotFn) -> Decision:
+    def stop_now(self, kind: StopKind, snapshot: SnapshotFn) -> Decision:
         """Every rank, at an agreed boundary: commit a checkpoint of this exact state
         synchronously; the caller exits with ``kind.exit_code``."""
         ck = self.checkpointer
@@ -172,9 +172,11 @@ class StepBoundary:
         committed = bool(self.save(snap, sync=True))
         signal_name = self.stop_flag.signal_name if self.stop_flag is not None else None
         log.warning("preempted", step=snap.step, signal=signal_name, kind=kind.name, checkpoint_committed=committed)
-        return Decision(stop=kind, stop_committed=committed, saved=True)
+        return Decision(stop=kind, stop_committed=committed, saved=committed)
 
     def save(self, snap: Snapshot, sync: bool) -> bool | None:
-        """Any save of the loop's (the clock of timed saves restarts): see ``Checkpointer.save``."""
+        """Any save of the loop's (the clock of timed saves restarts): see ``Checkpointer.save``.
+        A loop that uses a boundary saves through it, never ``Checkpointer.save`` directly: the
+        boundary's clock would not see that save and a timed save would follow too soon."""
         self._last_save = time.monotonic()
         return self.checkpointer.save(snap, sync=sync)

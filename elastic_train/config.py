@@ -28,7 +28,6 @@ DATASETS_NEEDING_DIR = ("tiny-imagenet", "imagefolder")
 # Settings that define the model's shape and the order of the data (the global batch sequence):
 # a checkpoint only continues a run that shares them.
 FINGERPRINT = (
-    "task",
     "model",
     "dataset",
     "image_size",

@@ -10,13 +10,6 @@ from __future__ import annotations
 import sys
 from typing import Protocol
 
-from elastic_train.outcome import ExitCode
-
-# The names run.py imported before elastic_train.outcome existed: kept only until its rewrite
-# imports ExitCode itself. Do not use them in new code.
-EXIT_OK = ExitCode.OK
-EXIT_USAGE = ExitCode.USAGE
-
 
 class UsageError(Exception):
     """A problem the user has to fix: names the problem and, in ``hint``, the fix."""

@@ -42,6 +42,7 @@ class ImageClassification:
             val=EvalView(bundle.val),
             identity=bundle.identity,
             description=description,
+            name=bundle.name,
             train_by_epoch=True,
         )
 

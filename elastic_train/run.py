@@ -82,7 +82,8 @@ def choose_task(cfg: TrainConfig) -> Task:
 
 def run_fingerprint(cfg: TrainConfig, task: Task, identity: dict[str, object], builtin: bool) -> dict[str, object]:
     """What a resumed run must share with its checkpoint: the settings, the data, the task's own
-    (and its name, unless it is the built-in image task, whose fingerprint predates tasks)."""
+    (and its name, unless it is the built-in image task, whose fingerprint predates tasks): the
+    same task resumes whether it came from --task or from ``train(cfg, task=...)``."""
     own = {f"task.{key}": value for key, value in task.fingerprint.items()}
     if not builtin:
         own["task.name"] = task.name

@@ -34,6 +34,8 @@ The contract, in the order the runtime uses it:
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -70,6 +72,7 @@ class TaskData:
     # The default, the sizes alone, cannot see an edited sample: return a content hash if you can.
     identity: Callable[[], Mapping[str, Any]] | None = None
     description: str = ""  # for the start-up line, e.g. "chars (4096 train / 512 val)"
+    name: str = ""  # the dataset's name in messages (default: the task's)
     train_by_epoch: bool = False  # the training set is indexed by (epoch, index)
 
     def __len__(self) -> int:
@@ -136,6 +139,10 @@ def load_task_factory(spec: str) -> TaskFactory:
     """``package.module:function`` -> the function (imported, not called). ``UsageError`` names
     what is wrong: the syntax, a module that does not import, a missing attribute."""
     module_name, sep, attr = spec.partition(":")
+    # `python -m elastic_train` and torchrun put the working directory on sys.path, the
+    # `elastic-train` console script does not: the same --task must import under both.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     hint = "pass --task package.module:function, importable from the working directory or PYTHONPATH"
     if not sep or not module_name or not attr.isidentifier():
         raise UsageError(f"--task {spec!r} is not of the form package.module:function", hint)

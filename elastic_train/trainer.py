@@ -4,10 +4,13 @@ Readable top to bottom: ``fit`` runs epochs; ``train_epoch`` runs steps; ``evalu
 validation shard. Every collective (metric reductions, the early-stop broadcast) is issued by
 all ranks in the same order; nothing a single rank decides alone can gate one.
 
-The trainer is built from the library's public pieces only (``elastic_train.__all__``): a
-``Task`` says what to train, the ``GlobalBatchSampler`` what each rank reads, ``StepBoundary``
-what happens between steps, ``capture``/``restore`` what a checkpoint holds. A custom loop can
-do everything it does (examples/char_lm.py).
+Everything the runtime provides, the trainer takes from the library's public pieces
+(``elastic_train.__all__``): a ``Task`` says what to train, the ``GlobalBatchSampler`` what each
+rank reads, ``StepBoundary`` what happens between steps, ``capture``/``restore`` what a
+checkpoint holds, ``StepWatchdog``, ``FaultInjector`` and ``ProgressTracker`` the rest. What it
+keeps private is the seed's presentation and policy (console lines, progress bar, early stop,
+the --amp choice): tests/unit/test_trainer_surface.py holds that line. A custom loop can do
+everything it does (examples/char_lm.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from elastic_train.data import make_loaders
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.process_group import Placement, all_reduce_max, all_reduce_sum
 from elastic_train.early_stop import EarlyStopper, decide_stop
+from elastic_train.errors import UsageError
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, file_only
 from elastic_train.metrics import EpochRecord, MetricSums, Totals
@@ -163,10 +167,12 @@ class Trainer:
         seed_everything(cfg.seed)
         module = task.model(data).to(self.device)
         self.module = module
-        self.extra: ExtraState | None = task.extra_state(module) if task.extra_state is not None else None
         self.model = DistributedDataParallel(
             module, device_ids=[self.device.index] if placement.is_cuda else None, gradient_as_bucket_view=True
         )
+        # After DDP's broadcast of rank 0's weights: extra state derived from them (an EMA copy)
+        # starts equal on every rank.
+        self.extra: ExtraState | None = task.extra_state(module) if task.extra_state is not None else None
         seed_everything(cfg.seed + env.rank)
         self.optimizer = task.optimizer(module) if task.optimizer is not None else build_optimizer(cfg, module)
         self.total_steps = cfg.epochs * self.sampler.batches_per_epoch
@@ -285,8 +291,15 @@ class Trainer:
             scheduler=self.scheduler,
             scaler=self.precision.scaler,
         )
+        if self.extra is not None and not done.extra:
+            raise UsageError(
+                f"checkpoint {loaded.folder} has no extra state, but task {self.task.name} keeps some",
+                "resume with the task that wrote it, or start fresh with another --checkpoint-dir",
+            )
         if self.extra is not None:
             self.extra.load_state_dict(done.extra)
+        elif done.extra:
+            log.warning("extra_state_dropped", tensors=len(done.extra), detail="the task keeps no extra state")
         app = TrainerCheckpoint.from_json(done.payload.app)
         for key, value in app.early_stop.items():
             setattr(self.stopper, key, value)

@@ -85,6 +85,26 @@ class FileEntry:
     xxh3: str  # xxh3-128, ~10x faster; checked on every load
 
 
+def check_json(value: Any, where: str) -> None:
+    """Raise ``ValueError`` naming the first part of ``value`` that would not come back from a
+    JSON round trip as itself: keys other than strings, values other than dict, list, str,
+    finite numbers, bools and None (a tuple reads back as a list, an int key as a string, a
+    tensor or a numpy scalar not at all). A checkpoint stores only what it can give back."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} is a {type(key).__name__}, not a str")
+            check_json(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_json(item, f"{where}[{i}]")
+    elif isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{where}: {value} is not a finite number")
+    elif value is not None and not isinstance(value, (str, int, bool)):
+        raise ValueError(f"{where}: {type(value).__name__} {value!r:.60} is not a JSON value (dict, list, str, number)")
+
+
 @dataclass(frozen=True)
 class Payload:
     """The JSON half of a checkpoint's training state; the tensors are in the shards.

@@ -54,6 +54,7 @@ from elastic_train.checkpoint.format import (
     FileEntry,
     Manifest,
     Payload,
+    check_json,
     checkpoint_key,
     latest_target,
     read_manifest,
@@ -189,6 +190,12 @@ class Checkpointer:
         self.cfg = cfg
         self.env = env
         self.hooks = hooks
+        try:
+            check_json(fingerprint, "fingerprint")
+        except ValueError as exc:  # every rank holds the same fingerprint: every rank refuses it
+            raise UsageError(
+                str(exc), "make every fingerprint value plain JSON (str, number, bool, list, dict)"
+            ) from None
         self.fingerprint = fingerprint
         if group is None and dist.is_initialized() and dist.get_backend() != "gloo":
             new = dist.new_group(backend="gloo")
@@ -679,10 +686,13 @@ def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, An
             detail="written before datasets were fingerprinted: a changed dataset cannot be detected",
         )
         fingerprint = {k: v for k, v in fingerprint.items() if not k.startswith(DATA_KEY)}
+    # Keys of either side: a checkpoint of a plug-in task records its task.name, which a run of
+    # the built-in task lacks (checkpoints older than a key lack it on both sides, by design).
+    keys = [*fingerprint, *(k for k in recorded if k not in fingerprint and not k.startswith(DATA_KEY))]
     diffs = [
-        f"{key}: checkpoint {recorded.get(key)!r}, this run {value!r}"
-        for key, value in fingerprint.items()
-        if recorded.get(key) != value
+        f"{key}: checkpoint {recorded.get(key)!r}, this run {fingerprint.get(key)!r}"
+        for key in keys
+        if recorded.get(key) != fingerprint.get(key)
     ]
     if diffs:
         hint = "run with the checkpoint's settings, or use another --checkpoint-dir / --resume never"

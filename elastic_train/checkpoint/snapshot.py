@@ -20,15 +20,14 @@ in the forward pass, earlier: ``capture`` clones them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from elastic_train.checkpoint.format import Payload
+from elastic_train.checkpoint.format import Payload, check_json
 from elastic_train.checkpoint.state import (
     MODEL,
     capture_rng,
@@ -41,6 +40,15 @@ from elastic_train.checkpoint.state import (
 )
 
 EXTRA = "extra."
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists (the optimizer's ``betas``: ``state.unflatten`` restores them)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 @dataclass(frozen=True)
@@ -119,11 +127,6 @@ def capture(
             raise ValueError(f"per-rank state {name!r}: the rng. prefix is reserved for the RNG streams")
         rank_state[name] = value.detach()
     scaler_state = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
-    for what, loop_state in (("app", app), ("accounting", accounting), ("config", config)):
-        try:
-            json.dumps(loop_state)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"capture({what}=...): not JSON-serialisable ({exc}); pass plain values") from None
     payload = Payload(
         optimizer=optim_meta,
         scheduler=scheduler.state_dict() if scheduler is not None else None,
@@ -131,6 +134,13 @@ def capture(
         accounting=dict(accounting) if accounting is not None else None,
         app=dict(app or {}),
     )
+    # Checked here, on every rank, before any collective: a value the manifest cannot give back
+    # would otherwise fail rank 0's commit, or come back changed (a tuple as a list).
+    for what, part in (*asdict(payload).items(), ("config", config)):
+        try:
+            check_json(_plain(part), what)
+        except ValueError as exc:
+            raise ValueError(f"capture(): {exc}; pass plain JSON values") from None
     return Snapshot(
         position=position,
         replicated=replicated,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
+from elastic_train.checkpoint.format import check_json
 from elastic_train.config import TrainConfig
 from elastic_train.data.datasets import DataBundle
 from elastic_train.data.folders import load_imagefolder, load_tiny_imagenet, prepare_tiny_imagenet
@@ -58,6 +59,16 @@ def _check_fits(cfg: TrainConfig, train_samples: int, name: str) -> None:
         )
 
 
+def _check_map_style(data: TaskData, task: str) -> None:
+    for split in ("train", "val"):
+        dataset = getattr(data, split)
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise DataError(
+                f"{task}: the {split} dataset ({type(dataset).__name__}) is not map-style",
+                "return datasets with __len__ and __getitem__ (an IterableDataset cannot be split exactly-once)",
+            )
+
+
 def open_task_data(task: Task, cfg: TrainConfig, env: DistEnv) -> TaskData:
     """Collective: rank 0 runs ``task.prepare`` while the others wait (the seed's barrier), then
     every rank opens ``task.data()``; rank 0's identity of the data is everyone's.
@@ -83,10 +94,15 @@ def open_task_data(task: Task, cfg: TrainConfig, env: DistEnv) -> TaskData:
     identity: dict[str, Any] | None = None
     try:
         data = task.data()
-        _check_fits(cfg, len(data.train), task.name)  # type: ignore[arg-type]
+        _check_map_style(data, task.name)
+        _check_fits(cfg, len(data.train), data.name or task.name)  # type: ignore[arg-type]
         if should_prepare_dataset(env):
             # The identity may read every file's size: one rank does it, the others adopt it.
             identity = data.identify()
+            try:
+                check_json(identity, f"{task.name}: the data's identity")
+            except ValueError as exc:
+                raise DataError(str(exc), "return plain JSON values from TaskData.identity") from None
     except UsageError as exc:
         error = f"rank {env.rank}: {exc}" if env.is_distributed else str(exc)
     except Exception as exc:
@@ -121,6 +137,11 @@ class Indexed(Dataset[tuple[Any, ...]]):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, ...]:
         index = key[1] if isinstance(key, tuple) else key
         item = self.dataset[key if self.by_epoch else index]
+        if not isinstance(item, (tuple, list)):
+            raise TypeError(
+                f"item {index} of {type(self.dataset).__name__} is a {type(item).__name__}: "
+                "a task's dataset items must be (inputs, target) tuples"
+            )
         return (*item, index)
 
 

@@ -98,7 +98,7 @@ class FileImages(ImageSource):
         """sha256 of each file's (relative path, size, label), in index order.
 
         One ``stat`` per file (seconds for 10^5 files on a parallel file system): computed once,
-        by one rank (``build_data`` shares it). Sizes catch a replaced or truncated file, not an
+        by one rank (``data.open_task_data`` shares it). Sizes catch a replaced or truncated file, not an
         edit that keeps the size.
         """
         if self._identity is None:

@@ -40,21 +40,15 @@ import threading
 import time
 from collections.abc import Callable
 from enum import IntEnum
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import structlog
 
 from elastic_train.outcome import (
-    PREEMPTED_MARKER,
-    STOPPED_MARKER,
     ExitCode,
     RestartCause,
-    clear_markers,
-    stop_marker,
 )
-from elastic_train.outcome import write_marker as _write_marker
 
 log = structlog.get_logger(__name__)
 
@@ -240,20 +234,3 @@ class PreemptionFlag:
             self.kind = kind
             self.signal_name = signal.Signals(signum).name
 
-
-# The names run.py imported before elastic_train.outcome existed: kept only until its rewrite
-# calls outcome.write_marker / clear_markers itself. Do not use them in new code.
-MARKER = PREEMPTED_MARKER
-STOP_MARKER = STOPPED_MARKER
-
-
-def write_marker(
-    checkpoint_dir: Path, step: int, signal_name: str, committed: bool, kind: StopKind = StopKind.PREEMPT
-) -> Path:
-    """Deprecated: ``outcome.write_marker(dir, outcome.stop_marker(kind.cause, ...))``."""
-    return _write_marker(checkpoint_dir, stop_marker(kind.cause, step, signal_name, committed))
-
-
-def clear_marker(checkpoint_dir: Path) -> None:
-    """Deprecated: ``outcome.clear_markers`` (it clears the hang markers too)."""
-    clear_markers(checkpoint_dir)

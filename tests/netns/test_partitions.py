@@ -81,7 +81,8 @@ def test_bridged_hosts_reach_each_other_until_a_link_is_cut_and_leave_nothing_be
         wait_for(lambda: connects(a, b), 30, "traffic over the healed link")
         assert server.wait(timeout=30) == 0, "the listener never saw the connection"
         sleeper = subprocess.Popen(b.command(["sleep", "300"]))
-        assert sleeper.pid in b.pids()
+        # `ip netns exec` enters the namespace right after it starts: wait for that, not a fixed time.
+        wait_for(lambda: sleeper.pid in b.pids(), 10, "the sleeper inside namespace b")
     assert sleeper.wait(timeout=10) == -signal.SIGKILL, "a process inside a namespace outlived it"
     assert not [n for n in (a.netns, b.netns) if n in ip("netns", "list")], "namespaces left behind"
 

@@ -74,4 +74,4 @@ def test_a_checkpoint_of_a_task_is_refused_by_a_run_of_another_task(clean: Path,
     with ranks(1, [*args, *flags(checkpoint_dir=clean / "ckpt")]) as procs:
         (done,) = wait_all(procs, timeout=120)
     assert done.returncode == 2, done.output
-    assert "task: checkpoint 'examples.lm_task:task', this run None" in done.stderr
+    assert "task.name: checkpoint 'char-lm', this run None" in done.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train import ckpt, errors
+from elastic_train import ckpt
 from elastic_train.outcome import (
     LAUNCH_ID_VAR,
     MEANINGS,
@@ -53,10 +53,6 @@ def test_the_stop_kinds_exit_with_the_contract_codes_and_name_their_cause() -> N
     assert StopKind.STOP.exit_code is ExitCode.STOPPED and StopKind.STOP.cause is RestartCause.STOP
     with pytest.raises(ValueError, match="no restart cause"):
         _ = StopKind.NONE.cause
-
-
-def test_the_old_errors_names_are_the_contract_codes() -> None:
-    assert errors.EXIT_OK is ExitCode.OK and errors.EXIT_USAGE is ExitCode.USAGE
 
 
 def _wait(codes: list[int], timeout: float = 5.0) -> None:

@@ -202,5 +202,5 @@ def test_a_newer_builds_checkpoint_stops_the_run_and_is_never_set_aside(world_of
 def test_loop_state_that_json_cannot_hold_is_refused_at_capture() -> None:
     model = net()
     opt, _ = trained(model, 1)
-    with pytest.raises(ValueError, match=r"capture\(app=\.\.\.\): not JSON-serialisable"):
+    with pytest.raises(ValueError, match=r"capture\(\): app\.when: object .* is not a JSON value"):
         et.capture(et.Position(1), model, opt, device=CPU, app={"when": object()})

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer
 from elastic_train.cli import main
 from elastic_train.config import TrainConfig
-from elastic_train.data import Indexed
-from elastic_train.errors import UsageError
+from elastic_train.data import Indexed, open_task_data
+from elastic_train.distributed.env import DistEnv
+from elastic_train.errors import DataError, UsageError
 from elastic_train.task import Task, TaskData, argmax_correct, build_task, load_task_factory, move_to
 
 
@@ -47,7 +49,11 @@ def test_the_example_task_builds_from_a_config() -> None:
     assert task.rate_unit == "samples"
 
 
-def test_the_command_line_refuses_an_unknown_task_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_line_refuses_an_unknown_task_with_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The command line would point structlog at this test's captured stdout, closed after it.
+    monkeypatch.setattr("elastic_train.cli.configure_logging", lambda env: None)
     assert main(["--task", "no_such_module_xyz:task"]) == 2
     err = capsys.readouterr().err
     assert "cannot import 'no_such_module_xyz'" in err and "Fix: pass --task package.module:function" in err
@@ -92,3 +98,57 @@ def test_indexed_appends_the_index_and_passes_epoch_keys_only_when_asked() -> No
 def test_task_data_describes_itself_by_default() -> None:
     data = TaskData(train=list(range(5)), val=list(range(2)))  # type: ignore[arg-type]
     assert data.describe() == "5 train / 2 val" and data.identify() == {"train_samples": 5, "val_samples": 2}
+
+
+def test_a_fingerprint_that_json_cannot_give_back_is_refused_on_every_rank(world_of_one: None, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"fingerprint\.shape\[0\]|fingerprint\.shape: tuple"):
+        Checkpointer(CheckpointConfig(root=tmp_path), DistEnv(), {"shape": (3, 32)})
+    with pytest.raises(UsageError, match=r"fingerprint\.root: PosixPath"):
+        Checkpointer(CheckpointConfig(root=tmp_path), DistEnv(), {"root": tmp_path})
+
+
+def _task(data: TaskData) -> Task:
+    return Task(name="toy", data=lambda: data, model=lambda _: torch.nn.Linear(2, 2))
+
+
+def test_plug_in_data_that_cannot_be_sampled_exactly_is_bad_input(world_of_one: None) -> None:
+    class Stream(torch.utils.data.IterableDataset[tuple[torch.Tensor, int]]):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield torch.zeros(2), 0
+
+    cfg = TrainConfig(batch_size=2)
+    pairs = [(torch.zeros(2), 0)] * 8
+    with pytest.raises(DataError, match="toy: the train dataset \\(Stream\\) is not map-style"):
+        open_task_data(_task(TaskData(train=Stream(), val=pairs)), cfg, DistEnv())  # type: ignore[arg-type]
+    odd = TaskData(train=pairs, val=pairs, identity=lambda: {"made": Path("/data")})  # type: ignore[arg-type]
+    with pytest.raises(DataError, match=r"the data's identity\.made: PosixPath"):
+        open_task_data(_task(odd), cfg, DistEnv())
+
+
+def test_an_item_that_is_not_an_input_target_tuple_is_named() -> None:
+    with pytest.raises(TypeError, match=r"item 1 of list is a Tensor: .* must be \(inputs, target\) tuples"):
+        Indexed([torch.zeros(2)] * 3)[1]  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_without_the_tasks_extra_state_is_refused_not_crashed_on(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    from elastic_train.checkpoint.snapshot import Position, capture
+    from elastic_train.distributed.process_group import choose_placement
+    from elastic_train.trainer import Trainer
+    from examples.lm_task import task as lm_task
+
+    cfg = TrainConfig(batch_size=8, checkpoint_dir=tmp_path, log_dir=tmp_path / "logs")
+    env = DistEnv()
+    task = lm_task(cfg)
+    trainer = Trainer(cfg, env, choose_placement("cpu", env), task, task.data())
+    assert trainer.extra is not None
+    ck = Checkpointer(CheckpointConfig(root=tmp_path), env, {"t": 1})
+    ck.start()
+    ck.save(capture(Position(1), trainer.module, trainer.optimizer, device=torch.device("cpu")), sync=True)
+    loaded = ck.resume()
+    ck.close()
+    assert loaded is not None
+    with pytest.raises(UsageError, match="has no extra state, but task char-lm keeps some"):
+        trainer.restore(loaded)
+    trainer.close()
