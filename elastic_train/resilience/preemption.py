@@ -233,4 +233,3 @@ class PreemptionFlag:
         if kind > self.kind:
             self.kind = kind
             self.signal_name = signal.Signals(signum).name
-
