@@ -29,7 +29,6 @@ letters, dots and dashes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -52,6 +51,7 @@ class ExitCode(IntEnum):
     STOPPED = 76  # SIGTERM from the launcher: the exact step is checkpointed, not a preemption
     STOP_GRACE_EXPIRED = 77  # a stop signal, but no agreed step boundary within --stop-grace
     ORPHANED = 78  # the launcher died: the worker leaves instead of training on
+    QUORUM_STATE_UNSAFE = 79  # --ft quorum: an error after the commit vote; the restarted worker heals
     HUNG = 124  # the step watchdog saw no progress for --hang-timeout (as timeout(1) exits)
 
 
@@ -127,6 +127,10 @@ MEANINGS: Mapping[ExitCode, Meaning] = {
     ),
     ExitCode.ORPHANED: Meaning(
         "a worker whose launcher died", "a restarted agent finds no second set of workers on the devices"
+    ),
+    ExitCode.QUORUM_STATE_UNSAFE: Meaning(
+        "a quorum-mode worker whose update failed after its replicas voted to commit (state may be half applied)",
+        "its agent restarts it alone; the new worker heals from a live replica, the others never stop",
     ),
     ExitCode.HUNG: Meaning(
         "a worker whose step watchdog saw no progress for `--hang-timeout`",
@@ -231,15 +235,20 @@ def write_marker_best_effort(checkpoint_dir: Path, marker: Marker, timeout_s: fl
     Limit: a thread stuck in an uninterruptible kernel write can still delay the process's exit
     until the write returns; the main thread stuck on that filesystem would delay it anyway.
     """
-    written = threading.Event()
+    finished = threading.Event()  # set when the write returns, written or failed: no wait for a failure
+    written: list[bool] = []
 
     def write() -> None:
-        with contextlib.suppress(OSError):
+        try:
             write_marker(checkpoint_dir, marker)
-            written.set()
+            written.append(True)
+        except OSError:
+            pass
+        finally:
+            finished.set()
 
     threading.Thread(target=write, name="outcome-marker", daemon=True).start()
-    return written.wait(timeout_s)
+    return finished.wait(timeout_s) and bool(written)
 
 
 def _cause_of_file(name: str) -> RestartCause | None:

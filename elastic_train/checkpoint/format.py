@@ -85,21 +85,23 @@ class FileEntry:
     xxh3: str  # xxh3-128, ~10x faster; checked on every load
 
 
-def check_json(value: Any, where: str) -> None:
+def check_json(value: Any, where: str, finite: bool = False) -> None:
     """Raise ``ValueError`` naming the first part of ``value`` that would not come back from a
     JSON round trip as itself: keys other than strings, values other than dict, list, str,
-    finite numbers, bools and None (a tuple reads back as a list, an int key as a string, a
-    tensor or a numpy scalar not at all). A checkpoint stores only what it can give back."""
+    numbers, bools and None (a tuple reads back as a list, an int key as a string, a tensor or a
+    numpy scalar not at all). A checkpoint stores only what it can give back. NaN and infinities
+    round-trip through Python's json (an epoch's loss can be NaN); ``finite`` refuses them where
+    values are compared (a fingerprint: NaN never equals itself)."""
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ValueError(f"{where}: key {key!r} is a {type(key).__name__}, not a str")
-            check_json(item, f"{where}.{key}")
+            check_json(item, f"{where}.{key}", finite)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            check_json(item, f"{where}[{i}]")
+            check_json(item, f"{where}[{i}]", finite)
     elif isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
+        if finite and (value != value or value in (float("inf"), float("-inf"))):
             raise ValueError(f"{where}: {value} is not a finite number")
     elif value is not None and not isinstance(value, (str, int, bool)):
         raise ValueError(f"{where}: {type(value).__name__} {value!r:.60} is not a JSON value (dict, list, str, number)")

@@ -191,7 +191,7 @@ class Checkpointer:
         self.env = env
         self.hooks = hooks
         try:
-            check_json(fingerprint, "fingerprint")
+            check_json(fingerprint, "fingerprint", finite=True)
         except ValueError as exc:  # every rank holds the same fingerprint: every rank refuses it
             raise UsageError(
                 str(exc), "make every fingerprint value plain JSON (str, number, bool, list, dict)"

@@ -100,7 +100,7 @@ def open_task_data(task: Task, cfg: TrainConfig, env: DistEnv) -> TaskData:
             # The identity may read every file's size: one rank does it, the others adopt it.
             identity = data.identify()
             try:
-                check_json(identity, f"{task.name}: the data's identity")
+                check_json(identity, f"{task.name}: the data's identity", finite=True)
             except ValueError as exc:
                 raise DataError(str(exc), "return plain JSON values from TaskData.identity") from None
     except UsageError as exc:

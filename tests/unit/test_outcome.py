@@ -136,8 +136,9 @@ def test_a_best_effort_write_that_cannot_succeed_returns_false_at_once(tmp_path:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     began = time.monotonic()
-    assert not write_marker_best_effort(blocker, Marker(RestartCause.HANG, 1, 0), timeout_s=1.0)
-    assert time.monotonic() - began < 1.5
+    # A failing write returns with it, not after the timeout (bound well below it: loaded CI).
+    assert not write_marker_best_effort(blocker, Marker(RestartCause.HANG, 1, 0), timeout_s=10.0)
+    assert time.monotonic() - began < 5.0
 
 
 def _shell(script: str, checkpoint_dir: Path, launch_id: str) -> list[str]:

@@ -204,3 +204,21 @@ def test_loop_state_that_json_cannot_hold_is_refused_at_capture() -> None:
     opt, _ = trained(model, 1)
     with pytest.raises(ValueError, match=r"capture\(\): app\.when: object .* is not a JSON value"):
         et.capture(et.Position(1), model, opt, device=CPU, app={"when": object()})
+
+
+def test_a_nan_loss_in_the_loops_state_is_kept_but_a_nan_fingerprint_is_refused(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    """An epoch can end with a NaN loss (its history is saved); a NaN never equals itself, so a
+    fingerprint holding one could never be resumed."""
+    model = net()
+    opt, _ = trained(model, 1)
+    snap = et.capture(et.Position(1), model, opt, device=CPU, app={"history": [{"train_loss": float("nan")}]})
+    ck = et.Checkpointer(et.CheckpointConfig(root=tmp_path), et.DistEnv(), FINGERPRINT)
+    ck.start()
+    assert ck.save(snap, sync=True) is True
+    ck.close()
+    loss = read_manifest(tmp_path / "step-00000001").payload.app["history"][0]["train_loss"]
+    assert loss != loss
+    with pytest.raises(et.UsageError, match=r"fingerprint\.lr: nan is not a finite number"):
+        et.Checkpointer(et.CheckpointConfig(root=tmp_path), et.DistEnv(), {"lr": float("nan")})

@@ -1,0 +1,289 @@
+"""One replica group's side of quorum training, on torchft's ``Manager``.
+
+A replica group is one worker (one ``torchrun --nproc-per-node=1`` agent): its agent restarts it
+alone when it dies, and the new worker fetches the current state from a live peer instead of a
+checkpoint. Every step (``Replica.begin_step``) the replicas that are alive form a quorum through
+the Lighthouse (``elastic_train.quorum.lighthouse``); the quorum agrees on the step, and each
+participant trains its share of that step's global batch (``QuorumSchedule``). A step that any
+participant fails to finish is discarded by all of them and redone, with the same global batch,
+over the next quorum. So a peer's failure costs the survivors one discarded attempt and the
+Lighthouse's heartbeat timeout, never a restart.
+
+The loop, for one step::
+
+    attempt = replica.begin_step(schedule)      # quorum, heal if behind, the share to train
+    loss = ...; (loss * attempt.share.weight).backward()
+    replica.average_gradients(model.parameters())
+    replica.commit(lambda: (optimizer.step(), scheduler.step()))   # False: redo the same step
+
+Choices that differ from torchft's own recipe, and why:
+
+* no ``torchft.DistributedDataParallel``: in torchft 0.2.0 its communication hook asserts
+  (ddp.py) when a peer dies mid-allreduce, because the failed gloo work's future is never set,
+  and the SURVIVOR crashes. ``average_gradients`` allreduces one flat buffer through
+  ``Manager.allreduce`` instead: a failed collective only makes the commit vote False;
+* synchronous quorum only (``use_async_quorum=False``): the asynchronous one overlaps the
+  forward pass with forming the quorum, so a participant would cut its share of the global
+  batch before knowing how many participants there are;
+* ``init_sync=False`` by default (``ReplicaConfig.init_sync``): replicas that seed their
+  initial weights identically need no state transfer at step 0; a replica behind the quorum's
+  step heals either way.
+
+Limits (this slice): one worker per replica group (``WORLD_SIZE`` 1); the gradient average
+runs after the backward pass, in one flat copy of the gradients (no overlap with backward as
+DDP's buckets give); the Lighthouse is a single point of failure (without it ``begin_step``
+raises after ``quorum_timeout_s`` and the worker exits); a failure inside the optimizer step
+ends that replica's worker (``commit``), which heals from a peer when its agent restarts it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from elastic_train.outcome import ExitCode
+from elastic_train.quorum.schedule import QuorumSchedule, StepShare
+
+T = TypeVar("T")
+
+# Exit status of a worker whose state may be half updated (an error after the commit vote): the
+# agent counts it as a failure and restarts the worker, which heals from a live peer.
+EXIT_AFTER_COMMIT_FAILED = ExitCode.QUORUM_STATE_UNSAFE
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """How a replica group reaches the quorum, and how long it waits for what.
+
+    torchft lets ``TORCHFT_TIMEOUT_SEC``, ``TORCHFT_QUORUM_TIMEOUT_SEC`` and
+    ``TORCHFT_CONNECT_TIMEOUT_SEC`` (whole seconds) override the three Manager timeouts below.
+    """
+
+    lighthouse: str  # the Lighthouse's URL, http://host:port (torchft's TORCHFT_LIGHTHOUSE)
+    replica_group: int  # this group's index (torchft's REPLICA_GROUP_ID): distinct per group
+    name: str = "replica"  # replica ids are "<name>_<group>": torchft reads the trailing digits
+    # Bounds a gloo collective: how long a participant waits for a peer that stopped answering
+    # (a killed peer's closed socket fails it at once). Too short fails healthy but slow steps.
+    collective_timeout_s: float = 2.0
+    # Manager RPCs (the commit vote), the state transfer to a healing peer, torchft's futures.
+    timeout_s: float = 10.0
+    # How long ``begin_step`` waits for a quorum; longer than any step. Past it the worker fails.
+    quorum_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0  # connecting to the Lighthouse and to a peer's Manager
+    # Advertised to peers for the state transfer: must resolve to this host from theirs.
+    hostname: str = field(default_factory=socket.gethostname)
+    # True when replicas may start from different weights: at step 0 all but one then load the
+    # first replica's state. False (the default) trusts identically seeded initial weights.
+    init_sync: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.lighthouse.startswith(("http://", "https://")):
+            raise ValueError(
+                f"lighthouse address {self.lighthouse!r} is not a URL: pass http://host:port "
+                "(what torchft_lighthouse prints as 'Lighthouse listening on')"
+            )
+        if self.replica_group < 0:
+            raise ValueError(f"replica group {self.replica_group} is negative: number the groups 0, 1, 2, ...")
+        if self.name[-1:].isdigit():
+            raise ValueError(f"replica name {self.name!r} ends in a digit: torchft would read it as the group index")
+        for what in ("collective_timeout_s", "timeout_s", "quorum_timeout_s", "connect_timeout_s"):
+            if getattr(self, what) <= 0:
+                raise ValueError(f"{what} must be positive, got {getattr(self, what)}")
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.name}_{self.replica_group}"
+
+
+@dataclass(frozen=True)
+class Heal:
+    """This replica was behind the quorum and loaded a live peer's state before the step."""
+
+    from_step: int
+    to_step: int
+    seconds: float  # forming the quorum plus fetching and loading the peer's state
+
+
+@dataclass(frozen=True)
+class StepAttempt:
+    """What the quorum agreed for one attempt at a step, and this replica's part in it."""
+
+    step: int  # the global step the quorum trains (the committed steps so far)
+    world: int  # participants in this attempt
+    rank: int  # this replica's rank among them
+    share: StepShare  # the samples this replica trains on
+    heal: Heal | None  # set when this replica healed to ``step`` before the attempt
+    quorum_seconds: float  # time spent in ``begin_step``
+
+
+@dataclass(frozen=True)
+class _GroupEnv:
+    """The replica group's own store, as torchrun sets it (or none: a plain process)."""
+
+    rank: int
+    world_size: int
+    store_addr: str | None
+    store_port: int | None
+
+    @classmethod
+    def from_environ(cls) -> _GroupEnv:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size != 1:
+            raise ValueError(
+                f"WORLD_SIZE={world_size}: quorum mode runs one worker per replica group (torchrun "
+                "restarts every worker of a group when one fails); start one agent per replica with "
+                "--nproc-per-node=1"
+            )
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        return cls(int(os.environ.get("RANK", "0")), world_size, addr, int(port) if port else None)
+
+
+class Replica:
+    """A replica group's torchft ``Manager`` with the settings quorum mode relies on.
+
+    Under torchrun the Manager uses the agent's store (``MASTER_ADDR``/``MASTER_PORT``), which
+    outlives the worker; a plain process hosts a store of its own on loopback.
+    """
+
+    def __init__(self, config: ReplicaConfig) -> None:
+        from torchft import Manager, ProcessGroupGloo  # optional dependency: elastic-train[ft]
+
+        self.config = config
+        group = _GroupEnv.from_environ()
+        self._own_store: object = None  # kept alive: the Manager and its peers use it
+        store_addr, store_port = group.store_addr, group.store_port
+        if store_addr is None or store_port is None:
+            store = torch.distributed.TCPStore(  # type: ignore[attr-defined]
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False
+            )
+            self._own_store = store
+            store_addr, store_port = "127.0.0.1", int(store.port)
+        self.manager: Any = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=config.collective_timeout_s)),
+            load_state_dict=None,  # state comes from register_state, one entry per component
+            state_dict=None,
+            min_replica_size=1,  # a replica alone may commit: survivors never wait for a peer
+            use_async_quorum=False,
+            init_sync=config.init_sync,
+            timeout=timedelta(seconds=config.timeout_s),
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=config.connect_timeout_s),
+            rank=group.rank,
+            world_size=group.world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=config.lighthouse,
+            replica_id=config.replica_id,
+            hostname=config.hostname,
+        )
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps this replica has committed (or healed to): the next step it trains."""
+        return int(self.manager.current_step())
+
+    def register_state(self, name: str, load: Callable[[T], None], state: Callable[[], T]) -> None:
+        """Make ``state()`` part of what a healing peer fetches, and ``load`` how it is applied.
+
+        The peer gets a deep COPY taken when the transfer is staged (at the start of the step
+        it heals at): torchft's HTTP transport copies only device tensors and serves CPU ones
+        by reference, from a thread, while this replica trains on. The copy makes what the peer
+        loads exactly the state at the step boundary, whatever this replica (or a state function
+        returning live containers) changes meanwhile. It costs one copy of the state, taken only
+        when a peer heals.
+        """
+        self.manager.register_state_dict_fn(name, load, lambda: copy.deepcopy(state()))
+
+    def begin_step(self, schedule: QuorumSchedule) -> StepAttempt:
+        """Join the quorum for the next step (healing from a peer first if this replica is
+        behind) and return the agreed step, membership and this replica's share."""
+        before = self.committed_steps
+        started = time.monotonic()
+        self.manager.start_quorum()  # sync: returns with the group reconfigured and state loaded
+        seconds = time.monotonic() - started
+        step = self.committed_steps
+        world, rank = int(self.manager.num_participants()), self.manager.participating_rank()
+        if rank is None:  # only torchft's spare-replica mode leaves a replica out
+            raise RuntimeError(f"replica {self.config.replica_id} is not participating in the quorum for step {step}")
+        heal = Heal(before, step, seconds) if step != before else None
+        return StepAttempt(step, world, int(rank), schedule.share(step, world, int(rank)), heal, seconds)
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Average ``tensors`` in place over the attempt's participants, in one collective.
+
+        Returns False when the collective failed (a peer died or timed out): the tensors are
+        then garbage and the attempt must not be committed (``commit`` will vote False).
+        """
+        if not tensors:
+            return True
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        # Manager.allreduce catches the failure, records it for the commit vote and returns a
+        # work whose wait() is False; later collectives of the attempt are skipped.
+        self.manager.allreduce(flat).wait()
+        if self.manager.errored() is not None:
+            return False
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return True
+
+    def average_gradients(self, parameters: Iterable[nn.Parameter], extras: Sequence[torch.Tensor] = ()) -> bool:
+        """The data-parallel gradient average (what DDP does), plus ``extras`` (e.g. metric
+        sums) in the same collective. A parameter without a gradient contributes zeros, so
+        every participant sends the same layout."""
+        params = [p for p in parameters if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return self.average([*(p.grad for p in params if p.grad is not None), *extras])
+
+    def commit(self, apply: Callable[[], None]) -> bool:
+        """Vote on the attempt; when every participant finished it, run ``apply`` (optimizer,
+        scheduler, metric sums: everything a step changes) and return True.
+
+        False: nothing was applied, train the same step again (``begin_step``). An exception
+        inside ``apply`` ends the process at once with ``EXIT_AFTER_COMMIT_FAILED``: the
+        replica's state may be half updated and must never reach a peer; its agent restarts it
+        and it heals. Unwinding instead could let a caller's ``except`` keep training on it.
+        """
+        if not self.manager.should_commit():
+            return False
+        try:
+            apply()
+        except BaseException:
+            traceback.print_exc()
+            print(
+                f"replica {self.config.replica_id}: failed after committing step {self.committed_steps - 1}; "
+                "exiting so that the agent restarts this worker and it heals from a peer",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(EXIT_AFTER_COMMIT_FAILED)
+        return True
+
+    def close(self) -> None:
+        """Stop the Manager's server and state transfer; peers drop this replica from the next
+        quorum after the Lighthouse's heartbeat timeout."""
+        self.manager.shutdown(wait=False)
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
