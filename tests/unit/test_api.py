@@ -157,8 +157,21 @@ def public_names_used(source: str, where: str) -> tuple[set[str], list[str]]:
     return used, private
 
 
+# Examples of work in progress, allowed to import their preview modules (not public API yet):
+# the quorum mode (issue 11) until --ft quorum is a trainer flag and its pieces are exported.
+PREVIEW_EXAMPLES = {"quorum_lm.py": "elastic_train.quorum"}
+
+
 def test_the_examples_and_the_documented_code_use_only_exported_names() -> None:
-    sources = [(str(path.relative_to(ROOT)), path.read_text()) for path in sorted((ROOT / "examples").glob("*.py"))]
+    sources = [
+        (str(path.relative_to(ROOT)), path.read_text())
+        for path in sorted((ROOT / "examples").glob("*.py"))
+        if path.name not in PREVIEW_EXAMPLES
+    ]
+    for name, module in PREVIEW_EXAMPLES.items():
+        preview = (ROOT / "examples" / name).read_text()
+        private = [line for line in preview.splitlines() if "from elastic_train." in line and module not in line]
+        assert not private, f"{name} may import only its preview module {module} privately: {private}"
     for doc in (API_DOC, ROOT / "README.md"):
         for i, block in enumerate(PYTHON_BLOCK.findall(doc.read_text())):
             sources.append((f"{doc.name} python block {i + 1}", block))
