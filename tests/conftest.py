@@ -17,6 +17,7 @@ import pytest
 
 from elastic_train.testing.agents import Agent
 from tests.layers import MisplacedTestFile, layer_of, wrong_layer_markers
+from tests.runtimes import StandIns, build_stand_ins, make_project
 
 pytest_plugins = ["pytester"]  # tests/unit/test_layers.py runs pytest on a scratch tree in-process
 
@@ -75,3 +76,15 @@ def agents() -> Iterator[list[Agent]]:
     yield started
     for agent in started:
         agent.cleanup()
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> StandIns:
+    """The stand-in container and module runtimes (tests/runtimes.py), built once per module."""
+    return build_stand_ins(tmp_path_factory.mktemp("runtimes"))
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A project directory of its own (its runtime venvs land in it), sharing the code with ROOT."""
+    return make_project(tmp_path)

@@ -12,23 +12,10 @@ from tests.runtimes import (
     TINY,
     StandIns,
     assert_built_over_the_runtime,
-    build_stand_ins,
     job,
-    make_project,
     probe,
     runtime_venvs,
 )
-
-
-@pytest.fixture(scope="module")
-def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> StandIns:
-    return build_stand_ins(tmp_path_factory.mktemp("runtimes"))
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    """A project directory of its own (its runtime venvs land in it), sharing the code with ROOT."""
-    return make_project(tmp_path)
 
 
 @pytest.mark.timeout(300)

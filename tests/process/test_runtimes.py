@@ -10,18 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT, run
-from tests.runtimes import StandIns, build_stand_ins, make_project, probe, runtime_venvs
-
-
-@pytest.fixture(scope="module")
-def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> StandIns:
-    return build_stand_ins(tmp_path_factory.mktemp("runtimes"))
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    """A project directory of its own (its runtime venvs land in it), sharing the code with ROOT."""
-    return make_project(tmp_path)
+from tests.runtimes import StandIns, probe, runtime_venvs
 
 
 @pytest.mark.timeout(180)
