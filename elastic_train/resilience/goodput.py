@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,14 +82,21 @@ def read_progress(checkpoint_dir: Path) -> dict[str, Any] | None:
 class ProgressTracker:
     """Rank 0's view of the job's progress, and the bookkeeping of the recovery in flight."""
 
-    def __init__(self, checkpoint_dir: Path, accounting: Accounting, enabled: bool) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        accounting: Accounting,
+        enabled: bool,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.path = checkpoint_dir / PROGRESS
         self.accounting = accounting
         self.enabled = enabled
+        self._clock = clock  # wall clock; injectable so the throttle can be tested without timing
         self._last_write = 0.0
         self._write_every = 0.0  # every step until writes prove slow
         self._slow_writes = 0  # consecutive; one hiccup of a busy disk is not a slow filesystem
-        self._last_step = time.time()
+        self._last_step = clock()
         self._recovering_until: int | None = None  # step the failed attempt had reached
         self._progress_time = 0.0
 
@@ -101,11 +109,11 @@ class ProgressTracker:
         self.accounting.restarts[key] = self.accounting.restarts.get(key, 0) + 1
         reached = int(previous["step"]) if previous else resumed_step
         self.accounting.recomputed_steps += max(0, reached - resumed_step)
-        self._progress_time = float(previous["time"]) if previous else time.time()
+        self._progress_time = float(previous["time"]) if previous else self._clock()
         self._recovering_until = max(reached, resumed_step)
 
     def on_step(self, step: int) -> None:
-        now = time.time()
+        now = self._clock()
         step_s, self._last_step = now - self._last_step, now
         if self._recovering_until is not None and step >= self._recovering_until:
             self.accounting.lost_s += max(0.0, now - self._progress_time)
@@ -114,13 +122,13 @@ class ProgressTracker:
             self._last_write = now
             record = {"job_start": self.accounting.job_start, "step": step, "time": now}
             tmp = self.path.with_name(f"{PROGRESS}.tmp-{os.getpid()}")
-            began = time.perf_counter()
+            began = self._clock()
             try:
                 tmp.write_text(json.dumps(record))
                 os.replace(tmp, self.path)
             except OSError:
                 pass  # bookkeeping only: never fail training over it
-            took = time.perf_counter() - began
+            took = self._clock() - began
             slow = took > SLOW_WRITE_S and took > SLOW_WRITE_SHARE * step_s
             self._slow_writes = self._slow_writes + 1 if slow else 0
             if self._slow_writes >= 3:

@@ -48,21 +48,37 @@ def test_a_missing_or_garbled_progress_file_reads_as_none(tmp_path: Path) -> Non
 def test_progress_is_recorded_at_every_step_unless_writes_are_slow(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tracker = ProgressTracker(tmp_path, Accounting(job_start=time.time()), enabled=True)
+    # A fake clock: the decision depends on measured durations, and a loaded CI machine must not
+    # turn a fast write into a slow one (that made this test flaky when it slept on the real clock).
+    now = [1000.0]
+    tracker = ProgressTracker(tmp_path, Accounting(job_start=now[0]), enabled=True, clock=lambda: now[0])
     for step in range(1, 6):
-        time.sleep(0.01)
+        now[0] += 0.01  # a 10 ms step; the write itself takes no fake time: fast
         tracker.on_step(step)
         progress = read_progress(tmp_path)
         assert progress is not None and progress["step"] == step  # exact: the next attempt knows
-    # A slow filesystem (each write far over 2 ms and 5% of a step): throttled after 3 writes.
+    # A slow filesystem (each write 20 ms: over 2 ms and 5% of a step): throttled after 3 writes.
     real_replace = goodput.os.replace
 
     def slow_replace(src: str, dst: str) -> None:
-        time.sleep(0.02)
+        now[0] += 0.02
         real_replace(src, dst)
 
     monkeypatch.setattr(goodput.os, "replace", slow_replace)
     for step in range(6, 12):
+        now[0] += 0.01
         tracker.on_step(step)
     progress = read_progress(tmp_path)
     assert progress is not None and progress["step"] == 8  # 6, 7, 8 were slow; 9-11 inside 0.2 s
+    # One slow write in a run of fast ones is a busy disk, not a slow filesystem: no throttle.
+    fresh = ProgressTracker(tmp_path, Accounting(job_start=now[0]), enabled=True, clock=lambda: now[0])
+    monkeypatch.setattr(goodput.os, "replace", real_replace)
+    for step in range(20, 30):
+        now[0] += 0.01
+        if step == 22:
+            monkeypatch.setattr(goodput.os, "replace", slow_replace)
+        elif step == 23:
+            monkeypatch.setattr(goodput.os, "replace", real_replace)
+        fresh.on_step(step)
+        progress = read_progress(tmp_path)
+        assert progress is not None and progress["step"] == step
