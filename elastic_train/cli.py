@@ -34,6 +34,7 @@ from elastic_train.config import (
     AMP_DTYPES,
     DATASETS,
     DEVICES,
+    FT_MODES,
     MODEL_CHOICES,
     OPTIMIZERS,
     TORCHVISION_PREFIX,
@@ -151,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ours.add_argument("--weight-decay", type=float, default=d.weight_decay)
     ours.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    ft = p.add_argument_group("fault tolerance")
+    ft.add_argument(
+        "--ft",
+        choices=FT_MODES,
+        default=os.environ.get("ELASTIC_TRAIN_FT") or d.ft,
+        help="restart: a failure restarts every worker from the last checkpoint (torchrun's semantics); "
+        "quorum: the survivors keep training and a restarted worker heals from a live peer (launch with "
+        "python -m elastic_train.quorum.launch). Default: $ELASTIC_TRAIN_FT or restart",
+    )
+    ft.add_argument(
+        "--lighthouse",
+        default=os.environ.get("TORCHFT_LIGHTHOUSE") or None,
+        metavar="URL",
+        help="quorum mode: the torchft Lighthouse, http://host:port (default: $TORCHFT_LIGHTHOUSE, which "
+        "python -m elastic_train.quorum.launch sets)",
+    )
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", type=Path, default=d.checkpoint_dir)
     ck.add_argument(

@@ -24,6 +24,7 @@ DATASETS = ("synthetic", "digits", "tiny-imagenet", "imagefolder")
 OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("auto", "bf16", "fp16")
+FT_MODES = ("restart", "quorum")  # docs/fault-tolerance.md, "Which mode when"
 DATASETS_NEEDING_DIR = ("tiny-imagenet", "imagefolder")
 # Settings that define the model's shape and the order of the data (the global batch sequence):
 # a checkpoint only continues a run that shares them.
@@ -86,6 +87,10 @@ class TrainConfig:
     keep_last: int = 3
     resume: str = "auto"  # auto | never | PATH
     async_checkpoint: bool = True
+    # Fault tolerance: restart (torchrun's: a failure restarts every worker from the checkpoint)
+    # or quorum (survivors keep training; elastic_train.quorum, launched by its own agent).
+    ft: str = "restart"
+    lighthouse: str | None = None  # quorum: the Lighthouse's http://host:port (TORCHFT_LIGHTHOUSE)
 
     def __post_init__(self) -> None:
         if not is_model_name(self.model):
@@ -97,6 +102,7 @@ class TrainConfig:
         self._check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         self._check_choice("--device", self.device, DEVICES)
         self._check_choice("--amp-dtype", self.amp_dtype, AMP_DTYPES)
+        self._check_choice("--ft", self.ft, FT_MODES)
         if self.batch_size < 1:
             raise UsageError(f"--batch-size {self.batch_size} must be >= 1", "pass the global batch, e.g. 256")
         if self.epochs < 1:

@@ -94,9 +94,11 @@ def parse_timestamp(stamp: Any) -> float | None:
         return None
 
 
-def attach_rank_log(log_dir: Path, env: DistEnv) -> Path:
+def attach_rank_log(log_dir: Path, env: DistEnv, name: str | None = None) -> Path:
+    """Mirror this process's structured log into ``<log_dir>/rank-<rank>.jsonl`` (or ``name``:
+    quorum mode names it by replica group, every replica being rank 0 of its own world)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / f"rank-{env.rank}.jsonl"
+    path = log_dir / (name or f"rank-{env.rank}.jsonl")
     if _sink.stream is not None:
         _sink.stream.close()
     _sink.stream = path.open("a", encoding="utf-8")

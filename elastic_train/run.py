@@ -140,6 +140,10 @@ def train(
         # Fault markers sit beside the checkpoints: a fault fires once per run, across restarts.
         faults = FaultInjector.from_environ(env.rank, cfg.checkpoint_dir / ".faults")
         _tune_cuda(placement, cfg.deterministic)
+        if cfg.ft == "quorum":
+            from elastic_train.quorum.run import train_quorum  # torchft: the optional [ft] extra
+
+            return train_quorum(cfg, env, placement, task if task is not None else choose_task(cfg), preemption)
         with process_group(env, placement, cfg.collective_timeout):
             clock.mark("process_group")
             return _train_in_group(cfg, env, placement, faults, preemption, threads, clock, task)

@@ -267,6 +267,19 @@ class CheckpointLock:
     def _unlock_mutex(self) -> None:
         self.path.with_name(MUTEX_NAME).unlink(missing_ok=True)
 
+    def ensure_held(self) -> None:
+        """Hold the lock now: keep it if it is still ours, else take it (again).
+
+        For quorum mode, where the replica that saves changes with the membership: every
+        replica of a job has the same owner, so the one saving now takes the lock from the one
+        that saved before (``blocks_us``), which then ``lost`` it and, when it saves again,
+        takes it back the same way. Raises ``UsageError`` when another job holds it.
+        """
+        if self._fd is not None and not self.lost():
+            return
+        self.release()
+        self.acquire()
+
     # ------------------------------------------------------------------ holding
     def lost(self) -> bool:
         """True if we took the lock and ``.lock`` is no longer ours (taken over, or removed)."""

@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
@@ -240,6 +241,20 @@ class Replica:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         return True
+
+    def sum(self, tensor: torch.Tensor) -> bool:
+        """SUM ``tensor`` in place over the attempt's participants (exact counts, metric sums,
+        votes); False when the collective failed (see ``average``)."""
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return self.manager.errored() is None
+
+    def discard(self, step: int, reason: str) -> None:
+        """End the current attempt without training: every participant must call it with the
+        same ``step``, which the next quorum starts from (e.g. all of them loaded a checkpoint
+        at that step). The vote fails on purpose, so nothing is committed."""
+        self.manager.report_error(RuntimeError(f"attempt discarded: {reason}"))
+        self.manager.should_commit()
+        self.manager.load_state_dict({"step": step, "batches_committed": step * int(self.manager.num_participants())})
 
     def average_gradients(self, parameters: Iterable[nn.Parameter], extras: Sequence[torch.Tensor] = ()) -> bool:
         """The data-parallel gradient average (what DDP does), plus ``extras`` (e.g. metric

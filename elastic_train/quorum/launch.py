@@ -1,0 +1,228 @@
+"""``python -m elastic_train.quorum.launch``: the agent of quorum mode (``--ft quorum``).
+
+    python -m elastic_train.quorum.launch --nproc-per-node 2 --max-restarts 3 -m elastic_train [trainer flags]
+
+What torchrun's agent does for a group of workers, this agent does for each worker alone: every
+worker is its own replica group, and when one fails only that one is restarted (torchrun would
+stop every worker of the node and restart them all from the checkpoint). The survivors keep
+training; the new worker heals from one of them. Workers are forked warm from multiprocessing's
+forkserver, which imported torch, torchft and the trainer once, so a restart skips the
+interpreter start-up and the imports (``elastic_train.launch`` does the same for torchrun).
+
+* ``--lighthouse URL``: the quorum's Lighthouse. Without it, node 0's agent starts one on this
+  host (``--lighthouse-port``, default 29510, bound on all interfaces) for the job's lifetime,
+  and every other node must be given its URL (``jobs/`` passes node 0's address).
+* ``--nnodes`` / ``--node-rank``: replica groups are numbered ``node_rank * nproc + local``.
+* ``--max-restarts`` counts per replica group: a group past it stays down; the others go on.
+* SIGTERM / SIGUSR1 / SIGUSR2 are forwarded to every worker (they agree on a step, participant 0
+  checkpoints it, all exit 75/76) and nothing is restarted afterwards.
+* Exit status: 0 when a worker finished the training (every replica's finish is the same
+  training); 75/76 when stopped by a signal; 2 on bad input; otherwise the last failure's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.context import ForkServerProcess
+from pathlib import Path
+from types import FrameType
+
+from elastic_train.outcome import ExitCode
+from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
+
+# Imported by the forkserver once; a forked worker finds them in memory.
+PRELOAD = ["torch", "torchvision", "torchft", "elastic_train.run", "elastic_train.quorum.run", "elastic_train.models"]
+POLL_S = 0.05
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# Codes after which a worker is not restarted: the run is over for it, or the input is bad.
+FINAL = {ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.USAGE}
+
+
+def worker(environ: dict[str, str], argv: list[str]) -> None:
+    """A worker's entry point, in a process forked from the preloaded forkserver."""
+    os.environ.update(environ)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)  # the trainer installs its own
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    from elastic_train.cli import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    os._exit(int(code or 0))  # skip the interpreter teardown of a process that imported torch
+
+
+@dataclass
+class Slot:
+    """One replica group on this node: its worker, and how often it was restarted."""
+
+    group: int
+    restarts: int = 0
+    proc: ForkServerProcess | None = None
+    started: float = 0.0
+    codes: list[int] = field(default_factory=list)
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    if "-m" in argv:
+        cut = argv.index("-m")
+        if argv[cut + 1 : cut + 2] != ["elastic_train"]:
+            raise SystemExit(
+                "elastic_train.quorum.launch: error: it launches the trainer only: ... -m elastic_train [flags]"
+            )
+        ours, trainer = argv[:cut], argv[cut + 2 :]
+    elif "--" in argv:
+        cut = argv.index("--")
+        ours, trainer = argv[:cut], argv[cut + 1 :]
+    else:
+        ours, trainer = argv, []
+    p = argparse.ArgumentParser(prog="python -m elastic_train.quorum.launch", description=__doc__.splitlines()[0])
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="replica groups on this node")
+    p.add_argument("--nnodes", type=int, default=int(os.environ.get("SLURM_NNODES", "1")))
+    p.add_argument("--node-rank", "--node_rank", type=int, default=int(os.environ.get("SLURM_NODEID", "0")))
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, help="per replica group")
+    p.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"), help="http://host:port")
+    p.add_argument(
+        "--lighthouse-port",
+        type=int,
+        default=None,
+        help="where node 0 starts one if --lighthouse is unset (default: a free port on one node, 29510 on several)",
+    )
+    p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", default=None, help="the job's id (default: Slurm's, or new)")
+    args = p.parse_args(ours)
+    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        p.error(f"--nproc-per-node {args.nproc_per_node}, --nnodes {args.nnodes}, --node-rank {args.node_rank}: bad")
+    if args.lighthouse is None and args.node_rank != 0:
+        p.error("only node 0 starts the Lighthouse: pass --lighthouse http://<node 0>:<port> on the others")
+    return args, trainer
+
+
+class Agent:
+    def __init__(self, args: argparse.Namespace, trainer_argv: list[str], lighthouse: str) -> None:
+        self.args = args
+        self.trainer_argv = ["--ft", "quorum", *trainer_argv]
+        self.lighthouse = lighthouse
+        self.run_id = args.run_id or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12]
+        first = args.node_rank * args.nproc_per_node
+        self.slots = [Slot(first + i) for i in range(args.nproc_per_node)]
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.stopping: int | None = None  # the stop signal received, if any
+        cores = len(os.sched_getaffinity(0))
+        self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // args.nproc_per_node))
+
+    def environ(self, slot: Slot) -> dict[str, str]:
+        return {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(self.args.node_rank),
+            "REPLICA_GROUP_ID": str(slot.group),
+            "TORCHELASTIC_RESTART_COUNT": str(slot.restarts),
+            "TORCHELASTIC_RUN_ID": self.run_id,
+            "TORCHFT_LIGHTHOUSE": self.lighthouse,
+            "ELASTIC_TRAIN_QUORUM_GROUPS": str(self.args.nnodes * self.args.nproc_per_node),
+            "OMP_NUM_THREADS": self.threads,
+        }
+
+    def start(self, slot: Slot) -> None:
+        proc = self.ctx.Process(
+            target=worker, args=(self.environ(slot), self.trainer_argv), name=f"replica-{slot.group}"
+        )
+        proc.start()
+        slot.proc, slot.started = proc, time.monotonic()
+        print(f"[quorum-agent] replica group {slot.group}: worker pid {proc.pid} (restart {slot.restarts})", flush=True)
+
+    def forward(self, signum: int, _frame: FrameType | None) -> None:
+        self.stopping = signum
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.pid is not None and slot.proc.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(slot.proc.pid, signum)
+
+    def run(self) -> int:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.forward)
+        # torchft's Rust side logs every quorum and commit at INFO (thousands of lines a run); its
+        # logger reads RUST_LOG once, when the forkserver imports torchft.
+        os.environ.setdefault("RUST_LOG", "warn")
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        for slot in self.slots:
+            self.start(slot)
+        live = list(self.slots)
+        while live:
+            time.sleep(POLL_S)
+            for slot in list(live):
+                assert slot.proc is not None
+                code = slot.proc.exitcode
+                if code is None:
+                    continue
+                slot.proc.join()
+                slot.codes.append(code)
+                live.remove(slot)
+                if code == ExitCode.USAGE:
+                    print(f"[quorum-agent] replica group {slot.group}: bad input (exit 2); stopping", flush=True)
+                    self.forward(signal.SIGTERM, None)
+                elif code not in FINAL and self.stopping is None and slot.restarts < self.args.max_restarts:
+                    print(
+                        f"[quorum-agent] replica group {slot.group}: worker exited with {code}; restarting", flush=True
+                    )
+                    slot.restarts += 1
+                    self.start(slot)
+                    live.append(slot)
+                elif code not in FINAL:
+                    print(
+                        f"[quorum-agent] replica group {slot.group}: worker exited with {code}; not restarted",
+                        flush=True,
+                    )
+        return self.outcome()
+
+    def outcome(self) -> int:
+        last = [slot.codes[-1] for slot in self.slots if slot.codes]
+        for code in (ExitCode.USAGE, ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED):
+            if code in last:
+                return int(code)
+        return next((c for c in last if c != 0), 1) if last else 1
+
+
+def _host_address() -> str:
+    """This host's name as the other nodes reach it (Slurm's node names resolve cluster-wide)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, trainer = parse(sys.argv[1:] if argv is None else argv)
+    lighthouse: Lighthouse | None = None
+    address = args.lighthouse
+    if address is None:
+        # Every quorum change waits for the Lighthouse: its heartbeat timeout is what a dead
+        # worker costs the survivors (LighthouseConfig).
+        log = Path(os.environ.get("ELASTIC_TRAIN_LIGHTHOUSE_LOG", os.devnull))
+        single = args.nnodes == 1
+        port = args.lighthouse_port or (None if single else 29510)
+        lighthouse = Lighthouse(LighthouseConfig(), host="127.0.0.1" if single else "0.0.0.0", port=port, log=log)
+        lighthouse.start()
+        address = f"http://{'127.0.0.1' if single else _host_address()}:{lighthouse.port}"
+        print(f"[quorum-agent] Lighthouse at {address} (pid {lighthouse.pid})", flush=True)
+    try:
+        return Agent(args, trainer, address).run()
+    finally:
+        if lighthouse is not None:
+            lighthouse.stop()
+        from elastic_train.launch import _stop_helpers
+
+        _stop_helpers()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One replica group's worker in quorum mode (``--ft quorum``): ``run.train`` hands over here.
+
+The worker is a world of one for torch.distributed (its checkpoint collectives are trivial; a
+HashStore, no port) and a replica group for torchft: ``Replica`` joins the quorum through the
+Lighthouse. Its agent (``elastic_train.quorum.launch``) sets ``REPLICA_GROUP_ID``,
+``TORCHFT_LIGHTHOUSE`` and the job id shared by every replica (the checkpoint lock's owner).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import structlog
+import torch.distributed as dist
+
+from elastic_train import __version__
+from elastic_train.checkpoint.manager import Checkpointer
+from elastic_train.config import TrainConfig
+from elastic_train.data import open_task_data
+from elastic_train.distributed.env import DistEnv
+from elastic_train.distributed.process_group import Placement
+from elastic_train.errors import UsageError
+from elastic_train.logs import Console, MetricsFile, attach_rank_log
+from elastic_train.outcome import ExitCode, stop_marker, write_marker
+from elastic_train.quorum.replica import Replica, ReplicaConfig
+from elastic_train.quorum.trainer import QuorumTrainer
+from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
+from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.task import Task
+
+log = structlog.get_logger(__name__)
+
+GROUPS_VAR = "ELASTIC_TRAIN_QUORUM_GROUPS"  # replica groups the job was launched with
+
+
+def replica_config(cfg: TrainConfig) -> ReplicaConfig:
+    if not cfg.lighthouse:
+        raise UsageError(
+            "--ft quorum needs a Lighthouse and none is set",
+            "launch with python -m elastic_train.quorum.launch (it starts one), or pass --lighthouse "
+            "http://host:port / set TORCHFT_LIGHTHOUSE",
+        )
+    group = os.environ.get("REPLICA_GROUP_ID", "0")
+    if not group.isdigit():
+        raise UsageError(f"REPLICA_GROUP_ID={group!r} is not a group index", "number the replica groups 0, 1, 2, ...")
+    try:
+        return ReplicaConfig(
+            cfg.lighthouse,
+            int(group),
+            # A dead peer's closed socket fails a collective at once; a frozen one (SIGSTOP, a cut
+            # network) holds it until this timeout: the survivors' cost of a node loss.
+            collective_timeout_s=min(cfg.collective_timeout, 2.0),
+            quorum_timeout_s=max(60.0, cfg.hang_timeout),
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc), "pass --lighthouse http://host:port") from None
+
+
+def train_quorum(cfg: TrainConfig, env: DistEnv, placement: Placement, task: Task, preemption: PreemptionFlag) -> int:
+    """The whole run of this replica group's worker; returns its exit code."""
+    if env.world_size != 1:
+        raise UsageError(
+            f"--ft quorum runs one worker per replica group, but WORLD_SIZE={env.world_size}",
+            "launch with python -m elastic_train.quorum.launch --nproc-per-node N (each worker is its own group)",
+        )
+    config = replica_config(cfg)
+    dist.init_process_group(
+        "gloo",
+        store=dist.HashStore(),  # type: ignore[attr-defined]
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=cfg.collective_timeout),
+    )
+    try:
+        return _run(cfg, env, placement, task, preemption, config)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(
+    cfg: TrainConfig,
+    env: DistEnv,
+    placement: Placement,
+    task: Task,
+    preemption: PreemptionFlag,
+    config: ReplicaConfig,
+) -> int:
+    from elastic_train.run import checkpoint_config, run_fingerprint  # run imports this module
+
+    data = open_task_data(task, cfg, env)
+    fingerprint = run_fingerprint(cfg, task, data.identify(), cfg.task is None)
+    checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint)
+    attach_rank_log(cfg.log_dir, env, f"{config.replica_id}.jsonl")
+    log.info("start", mode="quorum", replica=config.replica_id, version=__version__, device=str(placement.device))
+    console, metrics = Console(env), MetricsFile(cfg.log_dir, env)
+    watchdog = StepWatchdog(cfg.hang_timeout, env.rank, marker_dir=cfg.checkpoint_dir)
+    checkpointer.heartbeat = watchdog.alive
+    if preemption.grace is not None:
+        preemption.grace.progress = lambda: watchdog.last_progress
+    groups = int(os.environ.get(GROUPS_VAR, "1"))
+    trainer = QuorumTrainer(cfg, placement, task, data, checkpointer, preemption, watchdog, console, metrics, groups)
+    # The Manager (and its heartbeat to the Lighthouse) starts only now, with the model built: a
+    # replica that heartbeats but has not asked to join would hold every quorum up (join timeout).
+    replica = Replica(config)
+    trainer.register(replica)
+    watchdog.start()
+    try:
+        summary = trainer.fit(replica, checkpointer.resume)
+        preemption.acknowledge()
+    except Preempted as exc:
+        code = exc.kind.exit_code
+        if exc.committed:
+            write_marker(cfg.checkpoint_dir, stop_marker(exc.kind.cause, exc.step, preemption.signal_name or "", True))
+        what = "Preempted" if exc.kind is StopKind.PREEMPT else "Stopped"
+        state = "checkpoint committed" if exc.committed else "checkpoint by a peer"
+        console.line(f"{what} at step {exc.step}: {state}; exiting with code {code}")
+        log.warning("exit", code=code, step=exc.step, committed=exc.committed)
+        return code
+    finally:
+        watchdog.stop()
+        replica.close()
+        checkpointer.close()
+    for line in summary.console_lines():
+        console.line(line)
+    console.line("Training completed successfully.")
+    log.info(
+        "done", epochs=summary.epochs_run, stopped_early=summary.stopped_early, final_val_acc=summary.final_val_acc
+    )
+    return ExitCode.OK

@@ -1,0 +1,505 @@
+"""The built-in trainer in quorum mode (``--ft quorum``): survivors keep training.
+
+The same task, data order, metrics, early stop and checkpoints as ``trainer.Trainer``; what
+differs is who trains a step. Each worker is a replica group of its own (``Replica``); every
+step the live replicas form a quorum, split the step's global batch (``QuorumSchedule``), average
+their gradients and vote. A failed attempt is discarded by every participant and redone, with the
+same global batch, by the next quorum; a restarted worker heals from a live peer. So:
+
+* every committed step trains its global batch exactly once, whatever the membership, and the
+  epoch's metrics (correct, loss sum, samples, the sample digest) are SUM-reduced inside the
+  step's own collectives: they count committed steps only and are the same on every replica;
+* everything a step changes is applied in ``Replica.commit`` after the vote (optimizer,
+  scheduler, extra state, the epoch's sums); everything else a replica holds is replicated
+  state (``register_state``) that a healing peer fetches: the weights, optimizer, scheduler,
+  ``QuorumProgress`` (epoch, history, early stop, the partial epoch's sums) and the checkpoint
+  timeline;
+* the epoch end (validation, the epoch line, early stop) runs on every replica without
+  communication: the weights are bitwise the same on every replica (gloo's allreduce returns the
+  same bytes to every participant), so every replica computes the same validation metrics and
+  the same early-stop decision. Participant 0 of the step prints and writes ``metrics.jsonl``;
+* checkpoints: participant 0 of a step that is due saves it (asynchronously; it takes the
+  directory lock from the replica that saved before it, which belongs to the same job). A job
+  whose replicas all start at step 0 (a launch, a requeue, or every replica lost) loads
+  ``latest`` in its first attempt, which is then discarded; a restarted replica whose peers
+  are ahead never reads a checkpoint, it heals.
+
+Limits: validation runs whole on every replica (no collective that a failure could break, at
+the price of redundant compute); saves are made by one replica at a time, so a replica that dies
+mid-save leaves an uncommitted folder that the next save cleans up, never a committed one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, default_collate
+
+from elastic_train.checkpoint.manager import Checkpointer, Loaded
+from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
+from elastic_train.config import TrainConfig
+from elastic_train.data import Indexed
+from elastic_train.data.sampler import EvalBatchSampler
+from elastic_train.distributed.process_group import Placement
+from elastic_train.early_stop import EarlyStopper
+from elastic_train.errors import UsageError
+from elastic_train.logs import Console, MetricsFile, file_only
+from elastic_train.metrics import EpochRecord, MetricSums, Totals, format_digest, index_digest
+from elastic_train.precision import choose_precision
+from elastic_train.quorum.replica import Replica, StepAttempt
+from elastic_train.quorum.schedule import QuorumSchedule
+from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
+from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.task import ExtraState, Task, TaskData
+from elastic_train.trainer import (
+    ELAPSED,
+    TRAIN_DIGEST,
+    TRAIN_SUMS,
+    Summary,
+    TrainerCheckpoint,
+    build_optimizer,
+    build_schedule,
+    seed_everything,
+)
+
+log = structlog.get_logger(__name__)
+
+_LOW32 = np.uint64(0xFFFFFFFF)
+# Layout of the per-step exact sums (float64; every entry is an integer or a loss sum): the
+# epoch metrics, two votes, and the sample digest's two uint64 lanes as 32-bit halves (a sum of
+# halves over W participants stays below 2^53, exact in float64, for W < 2^21).
+CORRECT, LOSS_SUM, SAMPLES, STOP, SAVE, DIGEST = 0, 1, 2, 3, 4, 5
+STATS = DIGEST + 4
+PROGRESS_EVERY = 5  # committed steps between "committed" log events (each replica's progress)
+
+
+@dataclass
+class QuorumProgress:
+    """Where the run is, replicated on every replica (healed with the weights)."""
+
+    epoch: int = 0  # epochs completed
+    batch_in_epoch: int = 0  # global batches of the current epoch committed
+    sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # correct, loss sum, samples
+    digest: list[int] = field(default_factory=lambda: [0, 0])  # the epoch's uint64 lanes
+    elapsed: float = 0.0  # the epoch's training seconds so far
+    history: list[dict[str, Any]] = field(default_factory=list)
+    early_stop: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    timeline: str = ""  # the checkpoints' line of training (``Checkpointer.timeline``)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+    def add_digest(self, lanes: np.ndarray[Any, Any]) -> None:
+        mine = np.array(self.digest, dtype=np.uint64)
+        mine += lanes.astype(np.uint64)
+        self.digest = [int(v) for v in mine]
+
+    def totals(self) -> Totals:
+        correct, loss_sum, samples = self.sums
+        return Totals(correct, loss_sum, int(samples), format_digest(np.array(self.digest, dtype=np.uint64)))
+
+
+def share_stats(
+    correct: torch.Tensor, mean_loss: torch.Tensor, indices: torch.Tensor, votes: tuple[bool, bool]
+) -> torch.Tensor:
+    """This participant's addends to the step's exact sums (``STATS`` float64 values)."""
+    stats = torch.zeros(STATS, dtype=torch.float64)
+    count = int(indices.numel())
+    stats[CORRECT] = float(correct)
+    stats[LOSS_SUM] = float(mean_loss) * count
+    stats[SAMPLES] = count
+    stats[STOP], stats[SAVE] = float(votes[0]), float(votes[1])
+    lanes = index_digest(indices)
+    halves = np.concatenate([lanes & _LOW32, lanes >> np.uint64(32)]).astype(np.float64)
+    stats[DIGEST:] = torch.from_numpy(halves)
+    return stats
+
+
+def digest_lanes(stats: torch.Tensor) -> np.ndarray[Any, Any]:
+    """The summed halves back into two uint64 lanes (mod 2^64)."""
+    halves = stats[DIGEST:].numpy().astype(np.uint64)
+    return (halves[:2] + (halves[2:] << np.uint64(32))).astype(np.uint64)
+
+
+class QuorumTrainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        placement: Placement,
+        task: Task,
+        data: TaskData,
+        checkpointer: Checkpointer,
+        preemption: PreemptionFlag,
+        watchdog: StepWatchdog | None = None,
+        console: Console | None = None,
+        metrics_file: MetricsFile | None = None,
+        groups: int = 1,
+    ) -> None:
+        self.cfg, self.placement, self.task, self.data = cfg, placement, task, data
+        self.device = placement.device
+        self.checkpointer = checkpointer
+        self.preemption = preemption
+        self.watchdog = watchdog
+        self.console = console
+        self.metrics_file = metrics_file
+        self.groups = groups  # replica groups the job was launched with (for the start line)
+        self.schedule = QuorumSchedule(len(data.train), cfg.batch_size, cfg.seed, cfg.max_steps_per_epoch)  # type: ignore[arg-type]
+        self.train_items = Indexed(data.train, by_epoch=data.train_by_epoch)
+        seed_everything(cfg.seed)  # the same initial weights on every replica: no transfer at step 0
+        self.module: nn.Module = task.model(data).to(self.device)
+        self.extra: ExtraState | None = task.extra_state(self.module) if task.extra_state is not None else None
+        self.optimizer = (
+            task.optimizer(self.module) if task.optimizer is not None else build_optimizer(cfg, self.module)
+        )
+        self.total_steps = cfg.epochs * self.schedule.batches_per_epoch
+        self.scheduler = (
+            task.scheduler(self.optimizer, self.total_steps)
+            if task.scheduler is not None
+            else build_schedule(cfg, self.optimizer, self.total_steps)
+        )
+        self.precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
+        self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
+        self.progress = QuorumProgress(early_stop=self.stopper.state(), timeline=checkpointer.timeline)
+        self._last_save = time.monotonic()
+
+    # ------------------------------------------------------------------ replicated state
+    def register(self, replica: Replica) -> None:
+        """What a healing peer fetches: everything a committed step changes."""
+        replica.register_state("model", self.module.load_state_dict, self.module.state_dict)
+        replica.register_state("optimizer", self.optimizer.load_state_dict, self.optimizer.state_dict)
+        replica.register_state("scheduler", self.scheduler.load_state_dict, self.scheduler.state_dict)
+        scaler = self.precision.scaler
+        if scaler.is_enabled():
+            replica.register_state("scaler", scaler.load_state_dict, scaler.state_dict)
+        if self.extra is not None:
+            replica.register_state("extra", self.extra.load_state_dict, self.extra.state_dict)
+        replica.register_state("progress", self._load_progress, self._progress_state)
+
+    def _progress_state(self) -> dict[str, Any]:
+        self.progress.early_stop = self.stopper.state()
+        self.progress.timeline = self.checkpointer.timeline
+        return self.progress.to_json()
+
+    def _load_progress(self, state: dict[str, Any]) -> None:
+        self.progress.load(state)
+        for key, value in self.progress.early_stop.items():
+            setattr(self.stopper, key, value)
+        self.stopper.target_accuracy, self.stopper.patience = self.cfg.target_accuracy, self.cfg.patience
+        self.checkpointer.timeline = self.progress.timeline
+
+    # ------------------------------------------------------------------ one attempt
+    def _batch(self, attempt: StepAttempt) -> tuple[list[Any], torch.Tensor]:
+        share = attempt.share
+        keys: list[Any] = [(share.epoch, i) for i in share.indices] if self.data.train_by_epoch else list(share.indices)
+        *batch, indices = default_collate([self.train_items[k] for k in keys])
+        return batch, indices
+
+    def train_attempt(self, replica: Replica, attempt: StepAttempt) -> torch.Tensor | None:
+        """Forward, backward and the step's collectives; the step's summed stats, or None when
+        a collective failed (the attempt will not commit)."""
+        batch, indices = self._batch(attempt)
+        x, y = self.task.to_device(batch, self.device)
+        self.module.train()
+        with self.precision.autocast():
+            outputs = self.module(x)
+            loss = self.task.loss(outputs, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.precision.scaler.scale(loss * attempt.share.weight).backward()  # type: ignore[no-untyped-call]
+        save_due = self.cfg.checkpoint_every_seconds > 0 and (
+            time.monotonic() - self._last_save >= self.cfg.checkpoint_every_seconds
+        )
+        votes = (self.preemption.kind is not StopKind.NONE, save_due and attempt.rank == 0)
+        stats = share_stats(self.task.correct(outputs.detach(), y), loss.detach().float(), indices, votes)
+        if not replica.average_gradients(self.module.parameters()):
+            return None
+        if not replica.sum(stats):
+            return None
+        return stats
+
+    def _apply(self, step: int, stats: torch.Tensor, seconds: float) -> None:
+        """Everything a committed step changes (run by ``Replica.commit`` after the vote)."""
+        self.checkpointer.wait_staged()  # an async save may still be copying the weights
+        scaler = self.precision.scaler
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.scheduler.step()
+        if self.extra is not None:
+            self.extra.after_step(step + 1)
+        p = self.progress
+        p.sums = [p.sums[i] + float(stats[i]) for i in (CORRECT, LOSS_SUM, SAMPLES)]
+        p.add_digest(digest_lanes(stats))
+        p.batch_in_epoch += 1
+        p.elapsed += seconds
+
+    # ------------------------------------------------------------------ the run
+    def fit(self, replica: Replica, resume: Callable[[], Loaded | None]) -> Summary:
+        """Train until the last epoch or an early stop. ``resume`` (the checkpoint to continue
+        from, or None) is called in the first attempt if the whole quorum starts at step 0."""
+        wall_start = time.perf_counter()
+        first = True
+        since = last_commit = time.perf_counter()  # a step's training time counts its discarded attempts
+        world, discarded = 0, 0
+        while True:
+            attempt = replica.begin_step(self.schedule)
+            if attempt.heal is not None:
+                heal = attempt.heal
+                log.info("healed", from_step=heal.from_step, to_step=heal.to_step, seconds=round(heal.seconds, 3))
+                since = time.perf_counter()
+            self._speak(attempt.rank == 0)
+            if first:
+                first = False
+                self._announce(attempt)
+                if attempt.step == 0 and attempt.heal is None and self._resume(replica, resume):
+                    since = time.perf_counter()
+                    continue
+            if self.progress.finished or attempt.step >= self.total_steps:
+                break
+            if self.watchdog is not None:
+                self.watchdog.beat(attempt.step)
+            stats = self.train_attempt(replica, attempt)
+            seconds = time.perf_counter() - since
+            if stats is None or not replica.commit(partial(self._apply, attempt.step, stats, seconds)):
+                log.info("discarded", step=attempt.step, world=attempt.world)
+                discarded += 1
+                continue
+            now = time.perf_counter()
+            if attempt.world != world or discarded:
+                # What a membership change cost: the time from the previous commit (includes the
+                # discarded attempts, detection, the new quorum and any heal).
+                log.info(
+                    "quorum_changed",
+                    step=attempt.step + 1,
+                    world=attempt.world,
+                    previous_world=world,
+                    discarded=discarded,
+                    seconds_since_commit=round(now - last_commit, 3),
+                )
+            elif (attempt.step + 1) % PROGRESS_EVERY == 0:
+                log.info("committed", step=attempt.step + 1, world=attempt.world)
+            world, discarded, since, last_commit = attempt.world, 0, now, now
+            self._after_commit(attempt, stats)
+            if self.progress.finished:
+                break
+        return self._summary(time.perf_counter() - wall_start)
+
+    def _resume(self, replica: Replica, resume: Callable[[], Loaded | None]) -> bool:
+        """Every participant is at step 0, so every one of them loads the same ``latest`` (no
+        replica is saving: none is past step 0). True: loaded, the attempt is discarded."""
+        loaded = resume()
+        if loaded is None:
+            return False
+        self.restore(loaded)
+        replica.discard(step=loaded.manifest.step, reason="loaded the checkpoint; the quorum continues at its step")
+        if self.console is not None:
+            m = loaded.manifest
+            self.console.line(f"Resumed from {loaded.folder} at epoch {m.epoch + 1}, step {m.step}")
+        log.info("resumed", path=str(loaded.folder), step=loaded.manifest.step, saved_world_size=loaded.world_size)
+        return True
+
+    def _after_commit(self, attempt: StepAttempt, stats: torch.Tensor) -> None:
+        """The step boundary: the epoch end, saves, an agreed stop. Every replica decides the
+        same from the step's sums; participant 0 of the step saves."""
+        step = attempt.step + 1
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+        epoch_end = self.progress.batch_in_epoch >= self.schedule.batches_per_epoch
+        if epoch_end:
+            self._end_epoch(step, attempt.world)
+        stop = stats[STOP] > 0 and not self.progress.finished
+        every = self.cfg.checkpoint_every
+        due = epoch_end or (every > 0 and step % every == 0) or stats[SAVE] > 0
+        committed: bool | None = None
+        if attempt.rank == 0 and (stop or self.progress.finished or due):
+            # The last and a stopping step's checkpoints are waited for: the process ends next.
+            committed = self._save(step, sync=stop or self.progress.finished)
+        self._collect_save()
+        if stop:
+            kind = self.preemption.kind if self.preemption.kind is not StopKind.NONE else StopKind.PREEMPT  # a peer's
+            raise Preempted(step, bool(committed), kind)
+
+    def _save(self, step: int, sync: bool) -> bool | None:
+        try:
+            self.checkpointer.lock.ensure_held()
+        except (UsageError, OSError) as exc:
+            log.error("checkpoint_failed", step=step, error=str(exc), detail="could not take the directory lock")
+            return False
+        self._last_save = time.monotonic()
+        return self.checkpointer.save(self.snapshot(step, self.progress.finished), sync=sync)
+
+    def _collect_save(self) -> None:
+        """Commit this replica's background save once its shard is written."""
+        if self.checkpointer.pending and self.checkpointer.local_done():
+            self.checkpointer.commit_pending()
+
+    def _speak(self, main: bool) -> None:
+        """Participant 0 of the current attempt prints and writes ``metrics.jsonl``."""
+        if self.console is not None:
+            self.console.enabled = main
+        if self.metrics_file is not None:
+            self.metrics_file.enabled = main
+
+    def _announce(self, attempt: StepAttempt) -> None:
+        params = sum(p.numel() for p in self.module.parameters())
+        if self.console is not None and attempt.step == 0 and attempt.heal is None:
+            self.console.line(f"Training started with {self.groups} processes")
+            self.console.line(
+                f"Fault tolerance: quorum ({attempt.world} of {self.groups} replica groups in the first quorum), "
+                f"device: {self.device.type}, model: {self.task.name} ({params / 1e6:.2f}M params), "
+                f"dataset: {self.data.describe()}, global batch: {self.cfg.batch_size}, "
+                f"precision: {self.precision.name}"
+            )
+        log.info("run_config", **file_only(config=self.cfg.to_json(), params=params, mode="quorum"))
+
+    # ------------------------------------------------------------------ epoch end
+    def _end_epoch(self, step: int, world: int) -> None:
+        p = self.progress
+        val, extra = self.evaluate()
+        train = p.totals()
+        record = EpochRecord(
+            epoch=p.epoch + 1,
+            world_size=world,
+            train_loss=train.loss,
+            train_acc=train.accuracy,
+            val_loss=val.loss,
+            val_acc=val.accuracy,
+            epoch_time=p.elapsed,
+            throughput=train.samples / p.elapsed if p.elapsed > 0 else 0.0,
+            samples_seen=train.samples,
+            sample_digest=train.digest,
+            val_samples=val.samples,
+            step=step,
+            val_metrics=extra,
+        )
+        p.history.append(record.to_json())
+        p.epoch += 1
+        p.batch_in_epoch, p.sums, p.digest, p.elapsed = 0, [0.0, 0.0, 0.0], [0, 0], 0.0
+        if self.console is not None:
+            self.console.line(record.console_line(self.cfg.epochs, self.task.rate_unit))
+        if self.metrics_file is not None:
+            self.metrics_file.append(record.to_json())
+        log.info("epoch_end", **file_only(**record.to_json()))
+        # Every replica holds the same validation accuracy: the same decision, no broadcast.
+        stop = self.stopper.update(record.val_acc)
+        if stop and self.console is not None:
+            self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
+        p.finished = stop or p.epoch >= self.cfg.epochs
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[Totals, dict[str, float]]:
+        """The whole validation set on this replica (see the module docstring), exact."""
+        self.checkpointer.wait_staged()
+        self.module.eval()
+        sums = MetricSums(self.device)
+        names = sorted(self.task.metrics)
+        extra = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        loader: DataLoader[Any] = DataLoader(
+            Indexed(self.data.val),
+            batch_sampler=EvalBatchSampler(len(self.data.val), self.cfg.batch_size, 1, 0),  # type: ignore[arg-type]
+        )
+        for *batch, indices in loader:
+            if self.watchdog is not None:
+                self.watchdog.beat(self.progress.epoch, "evaluate")
+            x, y = self.task.to_device(batch, self.device)
+            with self.precision.autocast():
+                outputs = self.module(x)
+                loss = self.task.loss(outputs, y)
+            outputs = outputs.float()
+            sums.add_batch(self.task.correct(outputs, y), y.shape[0], loss.float())
+            sums.add_indices(indices)
+            for i, name in enumerate(names):
+                extra[i] += self.task.metrics[name](outputs, y).detach().to(torch.float64)
+        correct, loss_sum, samples = (float(v) for v in sums.sums.cpu())
+        totals = Totals(correct, loss_sum, int(samples), sums.digest_hex())
+        per_sample = [float(v) / totals.samples if totals.samples else math.nan for v in extra.cpu()]
+        return totals, dict(zip(names, per_sample, strict=True))
+
+    # ------------------------------------------------------------------ checkpoints
+    def snapshot(self, step: int, finished: bool) -> Snapshot:
+        """The run at a committed step, as a world-size-1 checkpoint (any mode resumes it)."""
+        p = self.progress
+        sums = torch.tensor(p.sums, dtype=torch.float64)
+        digest = torch.from_numpy(np.array(p.digest, dtype=np.uint64).view(np.int64).copy())
+        app = TrainerCheckpoint(self.stopper.state(), p.history)
+        return capture(
+            Position(step, p.epoch, p.batch_in_epoch, finished),
+            self.module,
+            self.optimizer,
+            device=self.device,
+            scheduler=self.scheduler,
+            scaler=self.precision.scaler,
+            extra=self.extra.state_dict() if self.extra is not None else None,
+            per_rank={TRAIN_SUMS: sums, TRAIN_DIGEST: digest, ELAPSED: torch.tensor([p.elapsed], dtype=torch.float64)},
+            app=app.to_json(),
+            config=self.cfg.to_json(),
+        )
+
+    def restore(self, loaded: Loaded) -> None:
+        """Continue from a checkpoint of any mode and world size: the partial epoch's sums of
+        every rank that wrote it are folded into the replicated progress."""
+        done = restore(
+            loaded,
+            self.module,
+            self.optimizer,
+            rank=0,
+            world_size=1,
+            device=self.device,
+            scheduler=self.scheduler,
+            scaler=self.precision.scaler,
+        )
+        if self.extra is not None and not done.extra:
+            raise UsageError(
+                f"checkpoint {loaded.folder} has no extra state, but task {self.task.name} keeps some",
+                "resume with the task that wrote it, or start fresh with another --checkpoint-dir",
+            )
+        if self.extra is not None:
+            self.extra.load_state_dict(done.extra)
+        app = TrainerCheckpoint.from_json(done.payload.app)
+        for key, value in app.early_stop.items():
+            setattr(self.stopper, key, value)
+        self.stopper.target_accuracy, self.stopper.patience = self.cfg.target_accuracy, self.cfg.patience
+        pos = done.position
+        sums = MetricSums(torch.device("cpu"))
+        for part in done.old_ranks:
+            sums.sums += part[TRAIN_SUMS].cpu()
+            sums.add_digest(part[TRAIN_DIGEST])
+        self.progress = QuorumProgress(
+            epoch=pos.epoch,
+            batch_in_epoch=pos.batch_in_epoch,
+            sums=[float(v) for v in sums.sums],
+            digest=[int(v) for v in sums.digest.numpy().view(np.uint64)],
+            elapsed=max(float(part[ELAPSED]) for part in done.old_ranks),
+            history=app.history,
+            early_stop=self.stopper.state(),
+            finished=pos.finished,
+            timeline=self.checkpointer.timeline,
+        )
+
+    def _summary(self, wall: float) -> Summary:
+        history = self.progress.history
+        train_time = sum(float(r["epoch_time"]) for r in history)
+        samples = sum(int(r["samples_seen"]) for r in history)
+        return Summary(
+            total_time=wall,
+            throughput=samples / train_time if train_time > 0 else 0.0,
+            gpus=self.groups if self.placement.is_cuda else 0,
+            processes=self.groups,
+            epochs_run=len(history),
+            stopped_early=bool(self.stopper.reason),
+            final_val_acc=float(history[-1]["val_acc"]) if history else math.nan,
+            productive_time=train_time,
+            samples_are=self.task.samples_are,
+        )

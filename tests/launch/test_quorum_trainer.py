@@ -1,0 +1,230 @@
+"""``--ft quorum`` on the built-in trainer, under its own agent (``python -m elastic_train.quorum.launch``).
+
+Real processes, real faults: SIGKILLed workers (a short soak: two kills, one of them the replica
+that prints and saves), a frozen node (SIGSTOP of a whole agent session: the survivor is blocked
+in a collective until its timeout), and a node that joins late. In every case the survivors keep
+training without a restart, a returning worker heals from a live peer (no checkpoint read), each
+epoch trains exactly its global batches' samples once (the sample digests are checked against
+the data order computed here, independently of the trainer), and the final weights equal those
+of a run without failures up to float reduction order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from elastic_train.checkpoint.manager import load
+from elastic_train.data.sampler import global_batches
+from elastic_train.metrics import format_digest, index_digest
+from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, final_state, free_port, kill_tagged, read_jsonl
+
+EPOCHS, STEPS, BATCH, SEED, TRAIN_SAMPLES = 3, 40, 32, 42, 4096  # synthetic: 4096 training images
+RUN = [
+    "--epochs", str(EPOCHS), "--max-steps-per-epoch", str(STEPS), "--batch-size", str(BATCH),
+    "--target-accuracy", "1.0", "--seed", str(SEED), "--checkpoint-every", "10",
+    # SGD: AdamW divides by sqrt(v) and so amplifies float reduction-order noise in tiny gradients
+    # (two fault-free runs of 1 and 2 replicas end 2.5e-3 apart with AdamW): the weight check
+    # would then say little.
+    "--optimizer", "sgd", "--base-lr", "0.05",
+]  # fmt: skip
+TOTAL = EPOCHS * STEPS
+WORKER = re.compile(r"replica group (\d+): worker pid (\d+) \(restart (\d+)\)")
+
+
+@dataclass
+class Node:
+    """One agent (a "node") and its output."""
+
+    proc: subprocess.Popen[bytes]
+    out: Path
+
+    def workers(self) -> list[tuple[int, int, int]]:
+        """(group, pid, restart) of every worker it started, in order."""
+        return [tuple(map(int, m.groups())) for m in WORKER.finditer(self.out.read_text())]  # type: ignore[misc]
+
+    def pid(self, group: int) -> int:
+        return [pid for g, pid, _ in self.workers() if g == group][-1]
+
+
+@dataclass
+class Job:
+    base: Path
+    env: dict[str, str]
+    nodes: list[Node] = field(default_factory=list)
+
+    def start(self, *launch: str, name: str = "node0") -> Node:
+        out = self.base / f"{name}.out"
+        command = [
+            str(BIN / "python"), "-m", "elastic_train.quorum.launch", *launch, "-m", "elastic_train", *RUN,
+            "--log-dir", str(self.base / "logs"), "--checkpoint-dir", str(self.base / "ckpt"),
+        ]  # fmt: skip
+        with out.open("wb") as sink:
+            proc = subprocess.Popen(
+                command, env=self.env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        node = Node(proc, out)
+        self.nodes.append(node)
+        return node
+
+    def log(self, group: int) -> list[dict[str, Any]]:
+        path = self.base / "logs" / f"replica_{group}.jsonl"
+        return read_jsonl(path) if path.exists() else []
+
+    def until(self, what: str, condition: Callable[[], bool], timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"never saw {what}\n{self.output()}"
+            time.sleep(0.05)
+
+    def committed_steps(self, group: int) -> int:
+        """The highest step this replica reported (quorum changes, checkpoints, epoch ends)."""
+        steps = [int(r["step"]) for r in self.log(group) if isinstance(r.get("step"), int)]
+        return max(steps, default=0)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {n.out.name}\n" + "\n".join(n.out.read_text().splitlines()[-40:]) for n in self.nodes)
+
+    def wait(self, node: Node, timeout: float = 120) -> int:
+        try:
+            return node.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{node.out.name} still running after {timeout}s\n{self.output()}") from None
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    job = Job(tmp_path, base_env())
+    try:
+        yield job
+    finally:
+        for node in job.nodes:  # a frozen node must be thawed to die cleanly
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.proc.pid, signal.SIGCONT)
+        kill_tagged(job.env[TOKEN_VAR])
+
+
+def expected_digest(epoch: int) -> str:
+    """The digest of epoch ``epoch``'s samples, from the data order alone."""
+    order = global_batches(TRAIN_SAMPLES, BATCH, SEED, epoch, STEPS).reshape(-1)
+    return format_digest(index_digest(order))
+
+
+def assert_exactly_once(base: Path) -> list[dict[str, Any]]:
+    """The final checkpoint: finished at the last step, every epoch's samples exactly once."""
+    done = load((base / "ckpt" / "latest").resolve())
+    assert done.manifest.finished and done.manifest.step == TOTAL, (done.manifest.step, done.manifest.finished)
+    history: list[dict[str, Any]] = done.payload.app["history"]
+    assert [r["epoch"] for r in history] == list(range(1, EPOCHS + 1))
+    for epoch, record in enumerate(history):
+        assert record["samples_seen"] == STEPS * BATCH, record
+        assert record["sample_digest"] == expected_digest(epoch), f"epoch {epoch + 1}: samples skipped or repeated"
+    return history
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    model = [k for k in a if k.startswith("model.")]
+    assert model and a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in model)
+
+
+def events(job: Job, group: int, name: str, after: float = 0.0) -> list[dict[str, Any]]:
+    return [r for r in job.log(group) if r["event"] == name and _time(r) > after]
+
+
+def _time(record: dict[str, Any]) -> float:
+    from elastic_train.logs import parse_timestamp
+
+    return parse_timestamp(record.get("timestamp")) or 0.0
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    base = tmp_path_factory.mktemp("fault_free")
+    job = Job(base, base_env())
+    try:
+        node = job.start("--nproc-per-node", "2")
+        assert job.wait(node) == 0, job.output()
+        yield base
+    finally:
+        kill_tagged(job.env[TOKEN_VAR])
+
+
+def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every_sample_exactly_once(
+    job: Job, fault_free: Path
+) -> None:
+    node = job.start("--nproc-per-node", "2", "--max-restarts", "3")
+    job.until("both replicas training", lambda: job.committed_steps(0) >= 12 and job.committed_steps(1) >= 12)
+    kills: list[tuple[int, float]] = []
+    for victim in (1, 0):  # group 0 is participant 0: it prints and saves
+        steps = partial(job.committed_steps, 1 - victim)
+        reached = steps()
+        job.until("progress", lambda: steps() >= reached + 8)  # noqa: B023 (called within this iteration)
+        kills.append((victim, time.time()))
+        os.kill(node.pid(victim), signal.SIGKILL)
+        healed = partial(events, job, victim, "healed", kills[-1][1])
+        job.until(f"replica {victim} healed", lambda: bool(healed()))  # noqa: B023
+    assert job.wait(node) == 0, job.output()
+    history = assert_exactly_once(job.base)
+    restarted = [(g, r) for g, _, r in node.workers()]
+    assert sorted(restarted) == [(0, 0), (0, 1), (1, 0), (1, 1)], f"only the killed workers restart: {restarted}"
+    for victim, at in kills:
+        survivor = 1 - victim
+        shrink = [e for e in events(job, survivor, "quorum_changed", at) if e["world"] == 1]
+        assert shrink, f"replica {survivor} never went on alone after the kill of {victim}\n{job.output()}"
+        # The survivor's cost: from its last commit before the kill to its first one after, one
+        # step's own time included (the target, <= 1 s, is the benchmark's: this is a bound).
+        assert shrink[0]["seconds_since_commit"] < 3.0, shrink[0]
+        assert not events(job, victim, "resumed", at), "a restarted replica must heal from a peer, not a checkpoint"
+    diff = max_abs_diff(final_state(job.base), final_state(fault_free))
+    assert diff < 1e-5, f"weights differ from the fault-free run by {diff}"
+    assert [r["val_acc"] for r in history] == pytest.approx(
+        [r["val_acc"] for r in assert_exactly_once(fault_free)], abs=2 / 1024
+    )
+
+
+def test_a_frozen_node_is_left_behind_within_seconds_and_a_late_node_joins_by_healing(job: Job) -> None:
+    port = free_port()
+    lighthouse = f"http://127.0.0.1:{port}"
+    common = ["--nnodes", "2", "--nproc-per-node", "1"]
+    node0 = job.start(*common, "--node-rank", "0", "--lighthouse-port", str(port), name="node0")
+    job.until("node 0 training alone", lambda: job.committed_steps(0) >= 10)
+    node1 = job.start(*common, "--node-rank", "1", "--lighthouse", lighthouse, name="node1")
+    job.until("node 1 healed into the quorum", lambda: bool(events(job, 1, "healed")))
+    joined = events(job, 1, "healed")[0]
+    assert joined["from_step"] == 0 and joined["to_step"] > 0, joined
+    assert not events(job, 1, "resumed"), "a joining node heals from a peer, not from the checkpoint"
+    job.until("a commit at world 2", lambda: any(e["world"] == 2 for e in events(job, 0, "quorum_changed")))
+    job.until("progress at world 2", lambda: job.committed_steps(1) >= joined["to_step"] + 5)
+    frozen_at = time.time()
+    os.killpg(node1.proc.pid, signal.SIGSTOP)  # the whole node: agent, forkserver, worker
+    assert job.wait(node0) == 0, job.output()
+    shrink = [e for e in events(job, 0, "quorum_changed", frozen_at) if e["world"] == 1]
+    assert shrink, job.output()
+    # Node loss -> first step at the smaller size: the collective timeout (2 s) plus a quorum.
+    assert shrink[0]["seconds_since_commit"] < 6.0, shrink[0]
+    assert_exactly_once(job.base)
+    os.killpg(node1.proc.pid, signal.SIGKILL)  # the frozen node never comes back
+
+
+def test_the_digest_of_an_epoch_changes_when_one_sample_is_repeated() -> None:
+    """The exactly-once check above can fail: one repeated sample changes the digest."""
+    order = global_batches(TRAIN_SAMPLES, BATCH, SEED, 0, STEPS).reshape(-1)
+    repeated = order.clone()
+    repeated[1] = repeated[0]
+    assert format_digest(index_digest(repeated)) != expected_digest(0)
+    assert format_digest(index_digest(order)) == expected_digest(0)
+    assert np.unique(order.numpy()).size == order.numel()
