@@ -207,9 +207,14 @@ class Replica:
         """
         self.manager.register_state_dict_fn(name, load, lambda: copy.deepcopy(state()))
 
-    def begin_step(self, schedule: QuorumSchedule) -> StepAttempt:
+    def begin_step(self, schedule: QuorumSchedule, position: Callable[[], int] | None = None) -> StepAttempt:
         """Join the quorum for the next step (healing from a peer first if this replica is
-        behind) and return the agreed step, membership and this replica's share."""
+        behind) and return the agreed step, membership and this replica's share.
+
+        ``position``: which of the schedule's global batches to cut, read AFTER the quorum (a
+        heal may have just replaced the loop's state); default: the committed steps. A loop
+        whose commits include other work (an evaluation round) counts its batches itself.
+        """
         before = self.committed_steps
         started = time.monotonic()
         self.manager.start_quorum()  # sync: returns with the group reconfigured and state loaded
@@ -219,7 +224,9 @@ class Replica:
         if rank is None:  # only torchft's spare-replica mode leaves a replica out
             raise RuntimeError(f"replica {self.config.replica_id} is not participating in the quorum for step {step}")
         heal = Heal(before, step, seconds) if step != before else None
-        return StepAttempt(step, world, int(rank), schedule.share(step, world, int(rank)), heal, seconds)
+        batch = position() if position is not None else step
+        share = schedule.share(batch, world, int(rank))
+        return StepAttempt(step, world, int(rank), share, heal, seconds)
 
     def average(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Average ``tensors`` in place over the attempt's participants, in one collective.

@@ -27,6 +27,7 @@ from elastic_train.quorum.replica import Replica, ReplicaConfig
 from elastic_train.quorum.trainer import QuorumTrainer
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.startup import StartupClock
 from elastic_train.task import Task
 
 log = structlog.get_logger(__name__)
@@ -57,7 +58,14 @@ def replica_config(cfg: TrainConfig) -> ReplicaConfig:
         raise UsageError(str(exc), "pass --lighthouse http://host:port") from None
 
 
-def train_quorum(cfg: TrainConfig, env: DistEnv, placement: Placement, task: Task, preemption: PreemptionFlag) -> int:
+def train_quorum(
+    cfg: TrainConfig,
+    env: DistEnv,
+    placement: Placement,
+    task: Task,
+    preemption: PreemptionFlag,
+    clock: StartupClock | None = None,
+) -> int:
     """The whole run of this replica group's worker; returns its exit code."""
     if env.world_size != 1:
         raise UsageError(
@@ -73,7 +81,7 @@ def train_quorum(cfg: TrainConfig, env: DistEnv, placement: Placement, task: Tas
         timeout=timedelta(seconds=cfg.collective_timeout),
     )
     try:
-        return _run(cfg, env, placement, task, preemption, config)
+        return _run(cfg, env, placement, task, preemption, config, clock or StartupClock())
     finally:
         dist.destroy_process_group()
 
@@ -85,14 +93,25 @@ def _run(
     task: Task,
     preemption: PreemptionFlag,
     config: ReplicaConfig,
+    clock: StartupClock,
 ) -> int:
     from elastic_train.run import checkpoint_config, run_fingerprint  # run imports this module
 
     data = open_task_data(task, cfg, env)
+    clock.mark("data")
     fingerprint = run_fingerprint(cfg, task, data.identify(), cfg.task is None)
     checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint)
     attach_rank_log(cfg.log_dir, env, f"{config.replica_id}.jsonl")
-    log.info("start", mode="quorum", replica=config.replica_id, version=__version__, device=str(placement.device))
+    log.info(
+        "start",
+        mode="quorum",
+        replica=config.replica_id,
+        restart=env.restart_count,
+        version=__version__,
+        device=str(placement.device),
+        process_started=clock.started,
+        startup_s=clock.phases(),
+    )
     console, metrics = Console(env), MetricsFile(cfg.log_dir, env)
     watchdog = StepWatchdog(cfg.hang_timeout, env.rank, marker_dir=cfg.checkpoint_dir)
     checkpointer.heartbeat = watchdog.alive

@@ -14,18 +14,22 @@ same global batch, by the next quorum; a restarted worker heals from a live peer
   state (``register_state``) that a healing peer fetches: the weights, optimizer, scheduler,
   ``QuorumProgress`` (epoch, history, early stop, the partial epoch's sums) and the checkpoint
   timeline;
-* the epoch end (validation, the epoch line, early stop) runs on every replica without
-  communication: the weights are bitwise the same on every replica (gloo's allreduce returns the
-  same bytes to every participant), so every replica computes the same validation metrics and
-  the same early-stop decision. Participant 0 of the step prints and writes ``metrics.jsonl``;
+* the epoch end is a round of its own: once an epoch's batches are committed, the next attempt
+  evaluates instead of training, each participant a contiguous part of the validation set, and
+  the sums travel in one collective; its commit appends the epoch's record and takes the
+  early-stop decision, the same on every replica (they hold the same sums). A failed round is
+  redone over the next quorum like a failed step. Participant 0 of the round prints the epoch
+  line and writes ``metrics.jsonl``. The Manager's step counts these rounds too, so the
+  training step is counted by ``QuorumProgress`` (``train_step``);
+* module buffers (BatchNorm statistics) are participant 0's after every step, as DDP
+  broadcasts rank 0's, and are put back when an attempt is discarded;
 * checkpoints: participant 0 of a step that is due saves it (asynchronously; it takes the
   directory lock from the replica that saved before it, which belongs to the same job). A job
   whose replicas all start at step 0 (a launch, a requeue, or every replica lost) loads
   ``latest`` in its first attempt, which is then discarded; a restarted replica whose peers
   are ahead never reads a checkpoint, it heals.
 
-Limits: validation runs whole on every replica (no collective that a failure could break, at
-the price of redundant compute); saves are made by one replica at a time, so a replica that dies
+Limits: saves are made by one replica at a time, so a replica that dies
 mid-save leaves an uncommitted folder that the next save cleans up, never a committed one.
 """
 
@@ -42,13 +46,13 @@ import numpy as np
 import structlog
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import default_collate
 
 from elastic_train.checkpoint.manager import Checkpointer, Loaded
 from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
 from elastic_train.config import TrainConfig
 from elastic_train.data import Indexed
-from elastic_train.data.sampler import EvalBatchSampler
+from elastic_train.data.sampler import split_evenly
 from elastic_train.distributed.process_group import Placement
 from elastic_train.early_stop import EarlyStopper
 from elastic_train.errors import UsageError
@@ -175,6 +179,10 @@ class QuorumTrainer:
         self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
         self.progress = QuorumProgress(early_stop=self.stopper.state(), timeline=checkpointer.timeline)
         self._last_save = time.monotonic()
+        # Floating or integer module buffers (BatchNorm statistics): kept equal on every replica.
+        self._buffers = list(self.module.buffers())
+        self._buffers_before: list[torch.Tensor] = []
+        self._synced_buffers = torch.zeros(0, dtype=torch.float64)
 
     # ------------------------------------------------------------------ replicated state
     def register(self, replica: Replica) -> None:
@@ -208,13 +216,25 @@ class QuorumTrainer:
         *batch, indices = default_collate([self.train_items[k] for k in keys])
         return batch, indices
 
+    @property
+    def train_step(self) -> int:
+        """Global batches committed so far, counted across epochs: the step the loop trains next
+        (the Manager's own step also counts evaluation rounds)."""
+        return self.progress.epoch * self.schedule.batches_per_epoch + self.progress.batch_in_epoch
+
+    @property
+    def evaluating(self) -> bool:
+        """Every batch of the epoch is committed, its evaluation round is not yet."""
+        return self.progress.batch_in_epoch >= self.schedule.batches_per_epoch
+
     def train_attempt(self, replica: Replica, attempt: StepAttempt) -> torch.Tensor | None:
         """Forward, backward and the step's collectives; the step's summed stats, or None when
         a collective failed (the attempt will not commit)."""
         batch, indices = self._batch(attempt)
         x, y = self.task.to_device(batch, self.device)
         self.module.train()
-        with self.precision.autocast():
+        self._buffers_before = [b.detach().clone() for b in self._buffers]  # a discarded attempt's forward
+        with self.precision.autocast():  # updates them too (BatchNorm statistics): put back on discard
             outputs = self.module(x)
             loss = self.task.loss(outputs, y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -222,23 +242,53 @@ class QuorumTrainer:
         save_due = self.cfg.checkpoint_every_seconds > 0 and (
             time.monotonic() - self._last_save >= self.cfg.checkpoint_every_seconds
         )
-        votes = (self.preemption.kind is not StopKind.NONE, save_due and attempt.rank == 0)
-        stats = share_stats(self.task.correct(outputs.detach(), y), loss.detach().float(), indices, votes)
+        stats = share_stats(
+            self.task.correct(outputs.detach(), y), loss.detach().float(), indices, self._votes(attempt)
+        )
+        stats[SAVE] = float(save_due and attempt.rank == 0)
         if not replica.average_gradients(self.module.parameters()):
+            return None
+        if self._buffers and not self._sync_buffers(replica, attempt):
             return None
         if not replica.sum(stats):
             return None
         return stats
 
-    def _apply(self, step: int, stats: torch.Tensor, seconds: float) -> None:
+    def _votes(self, attempt: StepAttempt) -> tuple[bool, bool]:
+        return self.preemption.kind is not StopKind.NONE, False
+
+    def _sync_buffers(self, replica: Replica, attempt: StepAttempt) -> bool:
+        """Participant 0's buffers become everyone's, as DDP broadcasts rank 0's: a SUM where
+        every other participant contributes zeros (one collective, any dtype via float64)."""
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64).cpu() for b in self._buffers])
+        if attempt.rank != 0:
+            flat.zero_()
+        if not replica.sum(flat):
+            return False
+        self._synced_buffers = flat
+        return True
+
+    def _restore_buffers(self) -> None:
+        with torch.no_grad():
+            for buffer, before in zip(self._buffers, self._buffers_before, strict=True):
+                buffer.copy_(before)
+
+    def _apply(self, stats: torch.Tensor, seconds: float) -> None:
         """Everything a committed step changes (run by ``Replica.commit`` after the vote)."""
         self.checkpointer.wait_staged()  # an async save may still be copying the weights
         scaler = self.precision.scaler
         scaler.step(self.optimizer)
         scaler.update()
         self.scheduler.step()
+        if self._buffers:
+            offset = 0
+            with torch.no_grad():
+                for buffer in self._buffers:
+                    n = buffer.numel()
+                    buffer.copy_(self._synced_buffers[offset : offset + n].view_as(buffer).to(buffer.dtype))
+                    offset += n
         if self.extra is not None:
-            self.extra.after_step(step + 1)
+            self.extra.after_step(self.train_step + 1)
         p = self.progress
         p.sums = [p.sums[i] + float(stats[i]) for i in (CORRECT, LOSS_SUM, SAMPLES)]
         p.add_digest(digest_lanes(stats))
@@ -254,7 +304,7 @@ class QuorumTrainer:
         since = last_commit = time.perf_counter()  # a step's training time counts its discarded attempts
         world, discarded = 0, 0
         while True:
-            attempt = replica.begin_step(self.schedule)
+            attempt = replica.begin_step(self.schedule, lambda: self.train_step)
             if attempt.heal is not None:
                 heal = attempt.heal
                 log.info("healed", from_step=heal.from_step, to_step=heal.to_step, seconds=round(heal.seconds, 3))
@@ -266,32 +316,40 @@ class QuorumTrainer:
                 if attempt.step == 0 and attempt.heal is None and self._resume(replica, resume):
                     since = time.perf_counter()
                     continue
-            if self.progress.finished or attempt.step >= self.total_steps:
+            if self.progress.finished or (self.train_step >= self.total_steps and not self.evaluating):
                 break
+            step, evaluating = self.train_step, self.evaluating
             if self.watchdog is not None:
-                self.watchdog.beat(attempt.step)
-            stats = self.train_attempt(replica, attempt)
-            seconds = time.perf_counter() - since
-            if stats is None or not replica.commit(partial(self._apply, attempt.step, stats, seconds)):
-                log.info("discarded", step=attempt.step, world=attempt.world)
+                self.watchdog.beat(step, "evaluate" if evaluating else "train")
+            if evaluating:
+                stats = self.eval_attempt(replica, attempt)
+                apply = partial(self._end_epoch, stats, attempt.world) if stats is not None else None
+            else:
+                stats = self.train_attempt(replica, attempt)
+                apply = partial(self._apply, stats, time.perf_counter() - since) if stats is not None else None
+            if apply is None or not replica.commit(apply):
+                if self._buffers and not evaluating:
+                    self._restore_buffers()
+                log.info("discarded", step=step, world=attempt.world, evaluating=evaluating)
                 discarded += 1
                 continue
+            assert stats is not None
             now = time.perf_counter()
             if attempt.world != world or discarded:
                 # What a membership change cost: the time from the previous commit (includes the
                 # discarded attempts, detection, the new quorum and any heal).
                 log.info(
                     "quorum_changed",
-                    step=attempt.step + 1,
+                    step=self.train_step,
                     world=attempt.world,
                     previous_world=world,
                     discarded=discarded,
                     seconds_since_commit=round(now - last_commit, 3),
                 )
-            elif (attempt.step + 1) % PROGRESS_EVERY == 0:
-                log.info("committed", step=attempt.step + 1, world=attempt.world)
+            elif self.train_step % PROGRESS_EVERY == 0:
+                log.info("committed", step=self.train_step, world=attempt.world)
             world, discarded, since, last_commit = attempt.world, 0, now, now
-            self._after_commit(attempt, stats)
+            self._after_commit(attempt, stats, evaluated=evaluating)
             if self.progress.finished:
                 break
         return self._summary(time.perf_counter() - wall_start)
@@ -303,25 +361,23 @@ class QuorumTrainer:
         if loaded is None:
             return False
         self.restore(loaded)
-        replica.discard(step=loaded.manifest.step, reason="loaded the checkpoint; the quorum continues at its step")
+        # Any step every participant agrees on will do: the Manager's step only orders replicas.
+        replica.discard(step=loaded.manifest.step, reason="loaded the checkpoint; the quorum continues from it")
         if self.console is not None:
             m = loaded.manifest
             self.console.line(f"Resumed from {loaded.folder} at epoch {m.epoch + 1}, step {m.step}")
         log.info("resumed", path=str(loaded.folder), step=loaded.manifest.step, saved_world_size=loaded.world_size)
         return True
 
-    def _after_commit(self, attempt: StepAttempt, stats: torch.Tensor) -> None:
-        """The step boundary: the epoch end, saves, an agreed stop. Every replica decides the
-        same from the step's sums; participant 0 of the step saves."""
-        step = attempt.step + 1
+    def _after_commit(self, attempt: StepAttempt, stats: torch.Tensor, evaluated: bool) -> None:
+        """The step boundary: saves and an agreed stop. Every replica decides the same from the
+        step's sums; participant 0 of the step saves."""
+        step = self.train_step
         if self.watchdog is not None:
             self.watchdog.beat(step)
-        epoch_end = self.progress.batch_in_epoch >= self.schedule.batches_per_epoch
-        if epoch_end:
-            self._end_epoch(step, attempt.world)
         stop = stats[STOP] > 0 and not self.progress.finished
         every = self.cfg.checkpoint_every
-        due = epoch_end or (every > 0 and step % every == 0) or stats[SAVE] > 0
+        due = evaluated or (not evaluated and every > 0 and step % every == 0) or stats[SAVE] > 0
         committed: bool | None = None
         if attempt.rank == 0 and (stop or self.progress.finished or due):
             # The last and a stopping step's checkpoints are waited for: the process ends next.
@@ -365,10 +421,54 @@ class QuorumTrainer:
         log.info("run_config", **file_only(config=self.cfg.to_json(), params=params, mode="quorum"))
 
     # ------------------------------------------------------------------ epoch end
-    def _end_epoch(self, step: int, world: int) -> None:
+    @torch.no_grad()
+    def eval_attempt(self, replica: Replica, attempt: StepAttempt) -> torch.Tensor | None:
+        """This participant's contiguous part of the validation set, SUM-reduced over the
+        quorum in one collective: exact (each sample once) for any membership. Layout: the
+        step stats (``STATS``) then the task's extra metric sums."""
+        self.checkpointer.wait_staged()
+        self.module.eval()
+        sums = MetricSums(self.device)
+        names = sorted(self.task.metrics)
+        extra = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        part = split_evenly(len(self.data.val), attempt.world, attempt.rank)  # type: ignore[arg-type]
+        items = Indexed(self.data.val)
+        size = -(-self.cfg.batch_size // attempt.world)  # a training share's size: known to fit
+        for start in range(part.start, part.stop, size):
+            if self.watchdog is not None:
+                self.watchdog.beat(self.train_step, "evaluate")
+            *batch, indices = default_collate([items[i] for i in range(start, min(start + size, part.stop))])
+            x, y = self.task.to_device(batch, self.device)
+            with self.precision.autocast():
+                outputs = self.module(x)
+                loss = self.task.loss(outputs, y)
+            outputs = outputs.float()
+            sums.add_batch(self.task.correct(outputs, y), y.shape[0], loss.float())
+            sums.add_indices(indices)
+            for i, name in enumerate(names):
+                extra[i] += self.task.metrics[name](outputs, y).detach().to(torch.float64)
+        stats = torch.zeros(STATS + len(names), dtype=torch.float64)
+        stats[CORRECT:STOP] = sums.sums.cpu()
+        stats[STOP] = float(self.preemption.kind is not StopKind.NONE)
+        lanes = sums._lanes()
+        stats[DIGEST:STATS] = torch.from_numpy(
+            np.concatenate([lanes & _LOW32, lanes >> np.uint64(32)]).astype(np.float64)
+        )
+        stats[STATS:] = extra.cpu()
+        return stats if replica.sum(stats) else None
+
+    def _end_epoch(self, stats: torch.Tensor, world: int) -> None:
+        """The committed evaluation round: the epoch's record, line, early stop (run by
+        ``Replica.commit``; every replica holds the same sums, so decides the same)."""
         p = self.progress
-        val, extra = self.evaluate()
         train = p.totals()
+        val = Totals(
+            float(stats[CORRECT]), float(stats[LOSS_SUM]), int(stats[SAMPLES]), format_digest(digest_lanes(stats))
+        )
+        names = sorted(self.task.metrics)
+        extra = {
+            name: float(stats[STATS + i]) / val.samples if val.samples else math.nan for i, name in enumerate(names)
+        }
         record = EpochRecord(
             epoch=p.epoch + 1,
             world_size=world,
@@ -381,7 +481,7 @@ class QuorumTrainer:
             samples_seen=train.samples,
             sample_digest=train.digest,
             val_samples=val.samples,
-            step=step,
+            step=self.train_step,
             val_metrics=extra,
         )
         p.history.append(record.to_json())
@@ -392,40 +492,10 @@ class QuorumTrainer:
         if self.metrics_file is not None:
             self.metrics_file.append(record.to_json())
         log.info("epoch_end", **file_only(**record.to_json()))
-        # Every replica holds the same validation accuracy: the same decision, no broadcast.
         stop = self.stopper.update(record.val_acc)
         if stop and self.console is not None:
             self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
         p.finished = stop or p.epoch >= self.cfg.epochs
-
-    @torch.no_grad()
-    def evaluate(self) -> tuple[Totals, dict[str, float]]:
-        """The whole validation set on this replica (see the module docstring), exact."""
-        self.checkpointer.wait_staged()
-        self.module.eval()
-        sums = MetricSums(self.device)
-        names = sorted(self.task.metrics)
-        extra = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        loader: DataLoader[Any] = DataLoader(
-            Indexed(self.data.val),
-            batch_sampler=EvalBatchSampler(len(self.data.val), self.cfg.batch_size, 1, 0),  # type: ignore[arg-type]
-        )
-        for *batch, indices in loader:
-            if self.watchdog is not None:
-                self.watchdog.beat(self.progress.epoch, "evaluate")
-            x, y = self.task.to_device(batch, self.device)
-            with self.precision.autocast():
-                outputs = self.module(x)
-                loss = self.task.loss(outputs, y)
-            outputs = outputs.float()
-            sums.add_batch(self.task.correct(outputs, y), y.shape[0], loss.float())
-            sums.add_indices(indices)
-            for i, name in enumerate(names):
-                extra[i] += self.task.metrics[name](outputs, y).detach().to(torch.float64)
-        correct, loss_sum, samples = (float(v) for v in sums.sums.cpu())
-        totals = Totals(correct, loss_sum, int(samples), sums.digest_hex())
-        per_sample = [float(v) / totals.samples if totals.samples else math.nan for v in extra.cpu()]
-        return totals, dict(zip(names, per_sample, strict=True))
 
     # ------------------------------------------------------------------ checkpoints
     def snapshot(self, step: int, finished: bool) -> Snapshot:
