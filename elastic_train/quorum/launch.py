@@ -117,6 +117,7 @@ class Agent:
         self.slots = [Slot(first + i) for i in range(args.nproc_per_node)]
         self.ctx = multiprocessing.get_context("forkserver")
         self.stopping: int | None = None  # the stop signal received, if any
+        self.failures: list[int] = []  # every worker exit, in the order they were seen
         cores = len(os.sched_getaffinity(0))
         self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // args.nproc_per_node))
 
@@ -169,6 +170,7 @@ class Agent:
                     continue
                 slot.proc.join()
                 slot.codes.append(code)
+                self.failures.append(code)
                 live.remove(slot)
                 if code == ExitCode.USAGE:
                     print(f"[quorum-agent] replica group {slot.group}: bad input (exit 2); stopping", flush=True)
@@ -188,11 +190,14 @@ class Agent:
         return self.outcome()
 
     def outcome(self) -> int:
+        """How the training ended, from each replica group's last worker exit."""
         last = [slot.codes[-1] for slot in self.slots if slot.codes]
         for code in (ExitCode.USAGE, ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED):
             if code in last:
                 return int(code)
-        return next((c for c in last if c != 0), 1) if last else 1
+        # Nobody finished: the most recent failure, a signal as the shell reports it (128 + N).
+        failed = [c for c in self.failures if c != 0] or [1]
+        return 128 - failed[-1] if failed[-1] < 0 else failed[-1]
 
 
 def _host_address() -> str:

@@ -21,6 +21,7 @@ from elastic_train.data import open_task_data
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.process_group import Placement
 from elastic_train.errors import UsageError
+from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, attach_rank_log
 from elastic_train.outcome import ExitCode, stop_marker, write_marker
 from elastic_train.quorum.replica import Replica, ReplicaConfig
@@ -118,7 +119,10 @@ def _run(
     if preemption.grace is not None:
         preemption.grace.progress = lambda: watchdog.last_progress
     groups = int(os.environ.get(GROUPS_VAR, "1"))
-    trainer = QuorumTrainer(cfg, placement, task, data, checkpointer, preemption, watchdog, console, metrics, groups)
+    faults = FaultInjector.from_environ(config.replica_group, cfg.checkpoint_dir / ".faults")
+    trainer = QuorumTrainer(
+        cfg, placement, task, data, checkpointer, preemption, watchdog, console, metrics, groups, faults
+    )
     # The Manager (and its heartbeat to the Lighthouse) starts only now, with the model built: a
     # replica that heartbeats but has not asked to join would hold every quorum up (join timeout).
     replica = Replica(config)

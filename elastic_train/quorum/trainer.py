@@ -56,6 +56,7 @@ from elastic_train.data.sampler import split_evenly
 from elastic_train.distributed.process_group import Placement
 from elastic_train.early_stop import EarlyStopper
 from elastic_train.errors import UsageError
+from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, file_only
 from elastic_train.metrics import EpochRecord, MetricSums, Totals, format_digest, index_digest
 from elastic_train.precision import choose_precision
@@ -152,6 +153,7 @@ class QuorumTrainer:
         console: Console | None = None,
         metrics_file: MetricsFile | None = None,
         groups: int = 1,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.cfg, self.placement, self.task, self.data = cfg, placement, task, data
         self.device = placement.device
@@ -161,6 +163,7 @@ class QuorumTrainer:
         self.console = console
         self.metrics_file = metrics_file
         self.groups = groups  # replica groups the job was launched with (for the start line)
+        self.faults = faults  # injected faults (tests, benchmarks): ``rank`` is the replica group
         self.schedule = QuorumSchedule(len(data.train), cfg.batch_size, cfg.seed, cfg.max_steps_per_epoch)  # type: ignore[arg-type]
         self.train_items = Indexed(data.train, by_epoch=data.train_by_epoch)
         seed_everything(cfg.seed)  # the same initial weights on every replica: no transfer at step 0
@@ -230,6 +233,8 @@ class QuorumTrainer:
     def train_attempt(self, replica: Replica, attempt: StepAttempt) -> torch.Tensor | None:
         """Forward, backward and the step's collectives; the step's summed stats, or None when
         a collective failed (the attempt will not commit)."""
+        if self.faults is not None:
+            self.faults.at_step(self.train_step + 1)
         batch, indices = self._batch(attempt)
         x, y = self.task.to_device(batch, self.device)
         self.module.train()

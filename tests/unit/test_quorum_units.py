@@ -1,0 +1,146 @@
+"""Quorum mode's pure pieces: the per-step exact sums, the replicated progress, the lock handed
+between replicas of one job, the agent's command line and exit status, the replica settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastic_train.checkpoint.lock import CheckpointLock
+from elastic_train.config import TrainConfig
+from elastic_train.data.sampler import split_evenly
+from elastic_train.errors import UsageError
+from elastic_train.metrics import format_digest, index_digest
+from elastic_train.outcome import ExitCode
+from elastic_train.quorum.launch import Agent, Slot, parse
+from elastic_train.quorum.run import replica_config
+from elastic_train.quorum.trainer import (
+    CORRECT,
+    LOSS_SUM,
+    SAMPLES,
+    STOP,
+    QuorumProgress,
+    digest_lanes,
+    share_stats,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    indices=st.lists(st.integers(0, 2**40), min_size=1, max_size=200, unique=True),
+    world=st.integers(1, 9),
+    stop_from=st.integers(0, 9),
+)
+def test_the_summed_share_stats_are_the_global_batch_exactly_for_any_split(
+    indices: list[int], world: int, stop_from: int
+) -> None:
+    world = min(world, len(indices))
+    total = torch.zeros_like(share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor([0]), (False, False)))
+    for rank in range(world):
+        share = split_evenly(len(indices), world, rank)
+        part = torch.tensor(indices[share.start : share.stop])
+        correct = torch.tensor(int(part.numel()) // 2)
+        total += share_stats(correct, torch.tensor(0.5), part, (rank == stop_from, False))
+    assert total[SAMPLES] == len(indices) and total[LOSS_SUM] == 0.5 * len(indices)
+    assert total[CORRECT] == sum(len(split_evenly(len(indices), world, r)) // 2 for r in range(world))
+    assert (total[STOP] > 0) == (stop_from < world), "a stop requested by any participant reaches all"
+    # The digest lanes travel as 32-bit halves in float64 and come back mod 2^64, bit for bit.
+    assert format_digest(digest_lanes(total)) == format_digest(index_digest(torch.tensor(indices)))
+
+
+def test_a_repeated_or_missing_sample_changes_the_summed_digest() -> None:
+    full = [0, 1, 2, 3]
+    parts = ([0, 1], [2, 3])
+    summed = sum(share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor(p), (False, False)) for p in parts)
+    assert isinstance(summed, torch.Tensor)
+    assert format_digest(digest_lanes(summed)) == format_digest(index_digest(torch.tensor(full)))
+    repeated = sum(
+        share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor(p), (False, False)) for p in ([0, 1], [1, 3])
+    )
+    assert isinstance(repeated, torch.Tensor)
+    assert format_digest(digest_lanes(repeated)) != format_digest(index_digest(torch.tensor(full)))
+
+
+def test_the_replicated_progress_round_trips_through_json_with_its_digest() -> None:
+    progress = QuorumProgress(epoch=2, batch_in_epoch=7, sums=[3.0, 1.5, 8.0], history=[{"epoch": 1}], finished=False)
+    progress.add_digest(index_digest(torch.tensor([5, 6, 7])))
+    progress.add_digest(index_digest(torch.tensor([8])))
+    copy = QuorumProgress()
+    copy.load(json.loads(json.dumps(progress.to_json())))
+    assert copy == progress
+    assert copy.totals().digest == format_digest(index_digest(torch.tensor([5, 6, 7, 8])))
+    assert copy.totals().samples == 8 and copy.totals().accuracy == pytest.approx(3 / 8)
+    assert all(0 <= lane < 2**64 for lane in copy.digest) and isinstance(copy.digest[0], int)
+    assert np.array(copy.digest, dtype=np.uint64).dtype == np.uint64
+
+
+def test_the_lock_passes_between_replicas_of_one_job_and_never_to_another_job(tmp_path: Path) -> None:
+    first, second = CheckpointLock(tmp_path, "job-1", 60), CheckpointLock(tmp_path, "job-1", 60)
+    other = CheckpointLock(tmp_path, "job-2", 60)
+    try:
+        first.ensure_held()
+        first.ensure_held()  # still ours: nothing changes
+        assert not first.lost()
+        second.ensure_held()  # the next saver of the same job takes it
+        assert first.lost() and not second.lost()
+        first.ensure_held()  # and back
+        assert second.lost() and not first.lost()
+        with pytest.raises(UsageError, match="in use by run 'job-1'"):
+            other.ensure_held()
+        assert not first.lost()
+    finally:
+        for lock in (first, second, other):
+            lock.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_the_agent_reads_torchrun_style_flags_and_refuses_what_it_cannot_launch() -> None:
+    args, trainer = parse(["--nproc-per-node", "2", "--max-restarts", "5", "-m", "elastic_train", "--epochs", "3"])
+    assert (args.nproc_per_node, args.max_restarts, trainer) == (2, 5, ["--epochs", "3"])
+    with pytest.raises(SystemExit, match="launches the trainer only"):
+        parse(["-m", "other_module"])
+    with pytest.raises(SystemExit):
+        parse(["--nnodes", "2", "--node-rank", "1", "-m", "elastic_train"])  # no Lighthouse for node 1
+    with pytest.raises(SystemExit):
+        parse(["--nnodes", "2", "--node-rank", "2", "--lighthouse", "http://h:1", "-m", "elastic_train"])
+
+
+def _agent(codes: list[list[int]]) -> Agent:
+    agent = Agent.__new__(Agent)
+    agent.slots = [Slot(g, codes=c) for g, c in enumerate(codes)]
+    agent.failures = [c for slot in codes for c in slot]  # in this order
+    return agent
+
+
+@pytest.mark.parametrize(
+    ("codes", "expected"),
+    [
+        ([[-9, 0], [0]], ExitCode.OK),  # a restarted replica finished: the training did
+        ([[0], [-9, -9, -9, -9]], ExitCode.OK),  # one replica gave up, the other finished
+        ([[75], [75]], ExitCode.PREEMPTED),
+        ([[2], [-15]], ExitCode.USAGE),
+        ([[-9], [124]], 124),  # nobody finished: the last failure's code
+        ([[124], [-9]], 137),  # a signal as the shell reports it
+    ],
+)
+def test_the_agent_exit_status_says_how_the_training_ended(codes: list[list[int]], expected: int) -> None:
+    assert _agent(codes).outcome() == expected
+
+
+def test_quorum_settings_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UsageError, match="needs a Lighthouse"):
+        replica_config(TrainConfig(ft="quorum"))
+    monkeypatch.setenv("REPLICA_GROUP_ID", "a")
+    with pytest.raises(UsageError, match="REPLICA_GROUP_ID"):
+        replica_config(TrainConfig(ft="quorum", lighthouse="http://127.0.0.1:1"))
+    monkeypatch.setenv("REPLICA_GROUP_ID", "3")
+    config = replica_config(TrainConfig(ft="quorum", lighthouse="http://127.0.0.1:1"))
+    assert config.replica_id == "replica_3" and config.collective_timeout_s == 2.0
+    with pytest.raises(UsageError, match="--ft"):
+        TrainConfig(ft="torchft")
