@@ -168,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="quorum mode: the torchft Lighthouse, http://host:port (default: $TORCHFT_LIGHTHOUSE, which "
         "python -m elastic_train.quorum.launch sets)",
     )
+    ft.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=d.peer_timeout,
+        help="quorum mode: seconds a step's collective waits for a silent peer (a frozen node or a cut network "
+        "costs the survivors this; a dead peer fails it at once). Raise it if step times vary by more",
+    )
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--checkpoint-dir", type=Path, default=d.checkpoint_dir)
     ck.add_argument(

@@ -91,6 +91,9 @@ class TrainConfig:
     # or quorum (survivors keep training; elastic_train.quorum, launched by its own agent).
     ft: str = "restart"
     lighthouse: str | None = None  # quorum: the Lighthouse's http://host:port (TORCHFT_LIGHTHOUSE)
+    # quorum: how long a step's collective waits for a silent peer (a frozen node costs this); a
+    # dead peer's closed socket fails it at once. Raise it when step times vary by more.
+    peer_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         if not is_model_name(self.model):
@@ -103,6 +106,8 @@ class TrainConfig:
         self._check_choice("--device", self.device, DEVICES)
         self._check_choice("--amp-dtype", self.amp_dtype, AMP_DTYPES)
         self._check_choice("--ft", self.ft, FT_MODES)
+        if not self.peer_timeout > 0:
+            raise UsageError(f"--peer-timeout {self.peer_timeout} must be > 0", "pass seconds, e.g. 2")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size {self.batch_size} must be >= 1", "pass the global batch, e.g. 256")
         if self.epochs < 1:

@@ -143,7 +143,7 @@ def train(
         if cfg.ft == "quorum":
             from elastic_train.quorum.run import train_quorum  # torchft: the optional [ft] extra
 
-            return train_quorum(cfg, env, placement, task if task is not None else choose_task(cfg), preemption, clock)
+            return train_quorum(cfg, env, placement, task, preemption, clock)
         with process_group(env, placement, cfg.collective_timeout):
             clock.mark("process_group")
             return _train_in_group(cfg, env, placement, faults, preemption, threads, clock, task)

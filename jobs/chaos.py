@@ -4,7 +4,8 @@
     python jobs/chaos.py --mtbf 30 --duration 600 [--match checkpoints/soak] [--seed 1]
 
 Workers are the processes torchrun starts for ``-m elastic_train`` (not the agents), or those the
-warm launcher (``python -m elastic_train.launch``) forks; ``--match`` narrows them to those whose
+warm launcher (``python -m elastic_train.launch``) or the quorum agent
+(``python -m elastic_train.quorum.launch``) forks; ``--match`` narrows them to those whose
 launch command contains a string (e.g. their --log-dir), so a chaos run never touches other jobs
 on the machine. Each kill is printed as one JSON line. The script stops
 after ``--duration`` seconds, or once no worker has been seen for ``--idle-exit`` seconds (the job
@@ -53,7 +54,7 @@ def workers(match: str) -> list[int]:
             launcher = args  # a torchrun worker: its own command line carries the --log-dir
         elif _is_forkserver(args) and _is_forkserver(_cmdline(_parent(int(entry)))):
             launcher = _cmdline(_parent(_parent(int(entry))))  # forked: the agent's command line
-            if "elastic_train.launch" not in launcher:
+            if not any(a in ("elastic_train.launch", "elastic_train.quorum.launch") for a in launcher):
                 continue
         else:
             continue

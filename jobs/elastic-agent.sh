@@ -7,8 +7,15 @@
 #   python -m elastic_train.rendezvous --port 29400 &        # on a host that is not a training node
 #   ET_RDZV_ENDPOINT=batchhost:29400 ET_NNODES=1:2 jobs/elastic-agent.sh --epochs 100   # on each node
 #
+# Quorum fault tolerance (ET_FT=quorum; survivors keep training, see docs/slurm.md): this agent is
+# python -m elastic_train.quorum.launch, and torchft's Lighthouse replaces the store. Node 0
+# starts it; every other node is told where it is:
+#   ET_FT=quorum ET_NODE_RANK=0 ET_NNODES=2 ET_LIGHTHOUSE_PORT=29510 jobs/elastic-agent.sh --epochs 100   # node0
+#   ET_FT=quorum ET_NODE_RANK=1 ET_NNODES=2 ET_LIGHTHOUSE_NODE=node0 jobs/elastic-agent.sh --epochs 100  # others
+#
 # Knobs (environment; runtime ones in jobs/lib/common.sh):
-#   ET_RDZV_ENDPOINT   host:port of the rendezvous store (required)
+#   ET_FT              restart (default): torchrun, the semantics above | quorum (needs torchft)
+#   ET_RDZV_ENDPOINT   host:port of the rendezvous store (required, restart mode)
 #   ET_RDZV_ID         job id shared by all agents (default: $SLURM_JOB_ID, else "elastic-train")
 #   ET_NNODES          MIN:MAX nodes (default 1:2)
 #   ET_NPROC           processes per node (default: $SLURM_GPUS_ON_NODE, or 1 without GPUs)
@@ -28,6 +35,13 @@
 #                      in train.sbatch (a module or container runtime venv is built by the first
 #                      agent or job that needs it, in the project dir, and reused by the others)
 #   ET_LOG_DIR, ET_CHECKPOINT_DIR  as in train.sbatch (shared storage for multi-node jobs)
+# Quorum mode only (ET_RDZV_ENDPOINT, ET_STORE_HOST, ET_JOIN_TIMEOUT, ET_LOCAL_ADDR, ET_SHUTDOWN_TIMEOUT
+# and ET_LAUNCHER do not apply; ET_NNODES's MAX is the node count, any one replica trains on):
+#   ET_NODE_RANK       this node's index, 0..nodes-1 (default: $SLURM_NODEID, else 0)
+#   ET_LIGHTHOUSE_PORT the port node 0 starts the Lighthouse on (default 29510)
+#   ET_LIGHTHOUSE_NODE the host of node 0, where the other nodes reach the Lighthouse (required on them)
+#   ET_LIGHTHOUSE      http://host:port of a Lighthouse started elsewhere (e.g. a login node, so that
+#                      losing node 0 is survivable): every node uses it and none starts one
 # Arguments go to the trainer unchanged.
 set -euo pipefail
 
@@ -39,31 +53,58 @@ source "$ET_PROJECT_DIR/jobs/lib/common.sh"
 et_catch_signals
 cd "$ET_PROJECT_DIR"
 
-endpoint=${ET_RDZV_ENDPOINT:?ET_RDZV_ENDPOINT=host:port of the rendezvous store is required}
 gpus=$(et_gpus_on_node)
 if [ "$gpus" -gt 0 ]; then nproc=${ET_NPROC:-$gpus}; else nproc=${ET_NPROC:-1}; fi
-is_host=false
-[ "${ET_STORE_HOST:-0}" = 1 ] && is_host=true
-
-# Why each setting (measured on torch 2.14.1, see docs/fault-tolerance.md):
-# - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: every rendezvous round gets a fresh store for the
-#   workers, so restarted workers never read the previous round's addresses; with the shared
-#   store a restart sometimes failed outright, and a node re-join crashed both agents.
-# - is_host=false: the standalone store serves the rendezvous, so losing any node is survivable.
-# - last_call_timeout=5: after the minimum is met, wait 5 s (not 30) for stragglers.
-# - keep_alive_interval=1, keep_alive_max_attempt=3: a dead node is noticed in ~3 s, not 50.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-rdzv_conf="is_host=$is_host,join_timeout=${ET_JOIN_TIMEOUT:-600},last_call_timeout=5"
-rdzv_conf+=",keep_alive_interval=1,keep_alive_max_attempt=3"
+nnodes=${ET_NNODES:-1:2}
 
 et_setup_runtime
+et_setup_ft
 et_setup_launcher
+if [ "$ET_FT_MODE" = quorum ]; then
+  node_rank=${ET_NODE_RANK:-${SLURM_NODEID:-0}}
+  lighthouse_port=${ET_LIGHTHOUSE_PORT:-29510}
+  if [ -n "${ET_LIGHTHOUSE:-}" ]; then
+    lighthouse=(--lighthouse "$ET_LIGHTHOUSE")
+    coordinator="Lighthouse $ET_LIGHTHOUSE"
+  elif [ "$node_rank" = 0 ]; then
+    lighthouse=(--lighthouse-port "$lighthouse_port")  # started here, for the job's lifetime
+    coordinator="starts the Lighthouse on port $lighthouse_port"
+  else
+    [ -n "${ET_LIGHTHOUSE_NODE:-}" ] ||
+      et_die "node $node_rank of a quorum job needs ET_LIGHTHOUSE_NODE, the host of node 0 (which starts the Lighthouse), or ET_LIGHTHOUSE=http://host:port"
+    lighthouse=(--lighthouse "http://$ET_LIGHTHOUSE_NODE:$lighthouse_port")
+    coordinator="Lighthouse http://$ET_LIGHTHOUSE_NODE:$lighthouse_port"
+  fi
+  coordinator="node $node_rank of ${nnodes##*:}, $coordinator"
+  # Replica groups are numbered node_rank * nproc + local, so --nnodes is the job's node count
+  # (MAX): any number of survivors trains on, the Lighthouse's quorum has no larger minimum.
+  launch=(python -m elastic_train.quorum.launch --nnodes "${nnodes##*:}" --node-rank "$node_rank"
+    --nproc-per-node "$nproc" --max-restarts "${ET_MAX_RESTARTS:-3}"
+    --run-id "${ET_RDZV_ID:-${SLURM_JOB_ID:-elastic-train}}" "${lighthouse[@]}")
+else
+  endpoint=${ET_RDZV_ENDPOINT:?ET_RDZV_ENDPOINT=host:port of the rendezvous store is required}
+  is_host=false
+  [ "${ET_STORE_HOST:-0}" = 1 ] && is_host=true
+  # Why each setting (measured on torch 2.14.1, see docs/fault-tolerance.md):
+  # - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: every rendezvous round gets a fresh store for the
+  #   workers, so restarted workers never read the previous round's addresses; with the shared
+  #   store a restart sometimes failed outright, and a node re-join crashed both agents.
+  # - is_host=false: the standalone store serves the rendezvous, so losing any node is survivable.
+  # - last_call_timeout=5: after the minimum is met, wait 5 s (not 30) for stragglers.
+  # - keep_alive_interval=1, keep_alive_max_attempt=3: a dead node is noticed in ~3 s, not 50.
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  rdzv_conf="is_host=$is_host,join_timeout=${ET_JOIN_TIMEOUT:-600},last_call_timeout=5"
+  rdzv_conf+=",keep_alive_interval=1,keep_alive_max_attempt=3"
+  coordinator="nodes $nnodes, rendezvous $endpoint"
+  # shellcheck disable=SC2054  # the commas separate --signals-to-handle's list, one argument
+  launch=("${ET_LAUNCH[@]}" --nnodes="$nnodes" --nproc-per-node="$nproc"
+    --max-restarts="${ET_MAX_RESTARTS:-3}" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
+    --rdzv-id="${ET_RDZV_ID:-${SLURM_JOB_ID:-elastic-train}}" --rdzv-conf="$rdzv_conf"
+    --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2
+    --shutdown-timeout="${ET_SHUTDOWN_TIMEOUT:-60}" ${ET_LOCAL_ADDR:+"--local-addr=$ET_LOCAL_ADDR"})
+fi
 trap et_stop_gpu_monitor EXIT
 et_start_gpu_monitor
-et_log "agent on $(hostname): $nproc process(es), nodes ${ET_NNODES:-1:2}, rendezvous $endpoint"
-et_run_forwarding "${ET_RUN[@]}" "${ET_LAUNCH[@]}" --nnodes="${ET_NNODES:-1:2}" --nproc-per-node="$nproc" \
-  --max-restarts="${ET_MAX_RESTARTS:-3}" --rdzv-backend=c10d --rdzv-endpoint="$endpoint" \
-  --rdzv-id="${ET_RDZV_ID:-${SLURM_JOB_ID:-elastic-train}}" --rdzv-conf="$rdzv_conf" \
-  --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2 \
-  --shutdown-timeout="${ET_SHUTDOWN_TIMEOUT:-60}" ${ET_LOCAL_ADDR:+"--local-addr=$ET_LOCAL_ADDR"} \
+et_log "agent on $(hostname): $nproc process(es), ft $ET_FT_MODE, $coordinator"
+et_run_forwarding "${ET_RUN[@]}" "${launch[@]}" \
   -m elastic_train --log-dir "$ET_LOG_DIR" --checkpoint-dir "$ET_CHECKPOINT_DIR" "$@"

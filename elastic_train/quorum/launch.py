@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
@@ -41,7 +42,18 @@ from elastic_train.outcome import ExitCode
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
 
 # Imported by the forkserver once; a forked worker finds them in memory.
-PRELOAD = ["torch", "torchvision", "torchft", "elastic_train.run", "elastic_train.quorum.run", "elastic_train.models"]
+# The last one opens the task's data (``warm``): a restarted worker need not.
+PRELOAD = [
+    "torch",
+    "torchvision",
+    "torchft",
+    "elastic_train.run",
+    "elastic_train.quorum.run",
+    "elastic_train.models",
+    "elastic_train.quorum.warm",
+]
+# The trainer flags, for the forkserver's preload of ``elastic_train.quorum.warm`` (JSON list).
+WARM_ARGV_VAR = "ELASTIC_TRAIN_WARM_ARGV"
 POLL_S = 0.05
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # Codes after which a worker is not restarted: the run is over for it, or the input is bad.
@@ -123,10 +135,12 @@ class Agent:
 
     def environ(self, slot: Slot) -> dict[str, str]:
         return {
+            # A world of one for torch.distributed; the local rank picks the GPU (cuda:<local
+            # rank>) and the local world size the CPU threads, as under torchrun.
             "RANK": "0",
-            "LOCAL_RANK": "0",
+            "LOCAL_RANK": str(slot.group - self.args.node_rank * self.args.nproc_per_node),
             "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": str(self.args.nproc_per_node),
             "GROUP_RANK": str(self.args.node_rank),
             "REPLICA_GROUP_ID": str(slot.group),
             "TORCHELASTIC_RESTART_COUNT": str(slot.restarts),
@@ -157,6 +171,7 @@ class Agent:
         # torchft's Rust side logs every quorum and commit at INFO (thousands of lines a run); its
         # logger reads RUST_LOG once, when the forkserver imports torchft.
         os.environ.setdefault("RUST_LOG", "warn")
+        os.environ[WARM_ARGV_VAR] = json.dumps(self.trainer_argv)  # read by the forkserver's preload
         multiprocessing.set_forkserver_preload(PRELOAD)
         for slot in self.slots:
             self.start(slot)

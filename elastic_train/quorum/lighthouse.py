@@ -11,6 +11,7 @@ every node reaches, with the same flags.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,9 +97,15 @@ class Lighthouse:
         return self.proc.pid
 
     def start(self) -> None:
-        executable = Path(sys.executable).parent / "torchft_lighthouse"
-        if not executable.exists():
-            raise FileNotFoundError(f"{executable} not found: install torchft (pip install 'elastic-train[ft]')")
+        # Beside this interpreter (a venv), else on PATH (a module or container runtime).
+        beside = Path(sys.executable).parent / "torchft_lighthouse"
+        found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
+        if found is None:
+            raise FileNotFoundError(
+                f"torchft_lighthouse is neither in {beside.parent} nor on PATH: install torchft "
+                "(pip install 'elastic-train[ft]')"
+            )
+        executable = Path(found)
         env = {"RUST_LOG": "info", **self.env}  # it logs quorum changes: useful in a test's output
         with self.log.open("ab") if self.log is not None else open(os.devnull, "wb") as output:
             self.proc = subprocess.Popen(

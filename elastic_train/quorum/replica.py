@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed import ReduceOp
+from torch.distributed import AllreduceOptions, ReduceOp
 
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
@@ -249,11 +249,30 @@ class Replica:
                 offset += t.numel()
         return True
 
-    def sum(self, tensor: torch.Tensor) -> bool:
+    def sum(self, tensor: torch.Tensor, timeout_s: float | None = None) -> bool:
         """SUM ``tensor`` in place over the attempt's participants (exact counts, metric sums,
-        votes); False when the collective failed (see ``average``)."""
-        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
-        return self.manager.errored() is None
+        votes); False when the collective failed (see ``average``).
+
+        ``timeout_s``: wait this long for the slowest peer instead of ``collective_timeout_s``,
+        for a collective that ends uneven work (an evaluation round: a shard's time varies
+        more than a step's). torchft's ``Manager.allreduce`` takes no per-call timeout, so this
+        one goes to the Manager's process group directly, and a failure is reported to the
+        Manager as its own collectives' are (the commit vote then fails).
+        """
+        if timeout_s is None:
+            self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+            return self.manager.errored() is None
+        if self.manager.errored() is not None:
+            return False
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        opts.timeout = timedelta(seconds=timeout_s)
+        try:
+            self.manager._pg.allreduce([tensor], opts).wait()  # torchft 0.2.0: the reconfigured group
+        except Exception as exc:  # a peer died or stayed silent past the timeout
+            self.manager.report_error(exc)
+            return False
+        return True
 
     def discard(self, step: int, reason: str) -> None:
         """End the current attempt without training: every participant must call it with the

@@ -8,6 +8,7 @@ Lighthouse. Its agent (``elastic_train.quorum.launch``) sets ``REPLICA_GROUP_ID`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 
@@ -24,6 +25,7 @@ from elastic_train.errors import UsageError
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, attach_rank_log
 from elastic_train.outcome import ExitCode, stop_marker, write_marker
+from elastic_train.quorum import warm
 from elastic_train.quorum.replica import Replica, ReplicaConfig
 from elastic_train.quorum.trainer import QuorumTrainer
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
@@ -52,7 +54,7 @@ def replica_config(cfg: TrainConfig) -> ReplicaConfig:
             int(group),
             # A dead peer's closed socket fails a collective at once; a frozen one (SIGSTOP, a cut
             # network) holds it until this timeout: the survivors' cost of a node loss.
-            collective_timeout_s=min(cfg.collective_timeout, 2.0),
+            collective_timeout_s=cfg.peer_timeout,
             quorum_timeout_s=max(60.0, cfg.hang_timeout),
         )
     except ValueError as exc:
@@ -63,11 +65,12 @@ def train_quorum(
     cfg: TrainConfig,
     env: DistEnv,
     placement: Placement,
-    task: Task,
+    task: Task | None,
     preemption: PreemptionFlag,
     clock: StartupClock | None = None,
 ) -> int:
-    """The whole run of this replica group's worker; returns its exit code."""
+    """The whole run of this replica group's worker; returns its exit code. ``task`` None: the
+    one ``cfg`` names (built in, or ``--task``), taken from the forkserver when it opened it."""
     if env.world_size != 1:
         raise UsageError(
             f"--ft quorum runs one worker per replica group, but WORLD_SIZE={env.world_size}",
@@ -91,14 +94,24 @@ def _run(
     cfg: TrainConfig,
     env: DistEnv,
     placement: Placement,
-    task: Task,
+    task: Task | None,
     preemption: PreemptionFlag,
     config: ReplicaConfig,
     clock: StartupClock,
 ) -> int:
     from elastic_train.run import checkpoint_config, run_fingerprint  # run imports this module
 
-    data = open_task_data(task, cfg, env)
+    cached = warm.take(cfg) if task is None else None
+    if cached is not None:
+        # Opened by the agent's forkserver before this worker was forked: the checks, the
+        # identity and the (world-of-one) agreement still run, on the data in memory.
+        task, ready = cached
+        data = open_task_data(dataclasses.replace(task, prepare=None, data=lambda: ready), cfg, env)
+    else:
+        from elastic_train.run import choose_task
+
+        task = task if task is not None else choose_task(cfg)
+        data = open_task_data(task, cfg, env)
     clock.mark("data")
     fingerprint = run_fingerprint(cfg, task, data.identify(), cfg.task is None)
     checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -85,6 +85,16 @@ _LOW32 = np.uint64(0xFFFFFFFF)
 CORRECT, LOSS_SUM, SAMPLES, STOP, SAVE, DIGEST = 0, 1, 2, 3, 4, 5
 STATS = DIGEST + 4
 PROGRESS_EVERY = 5  # committed steps between "committed" log events (each replica's progress)
+
+
+@dataclass(frozen=True)
+class _Salvage:
+    """A failed attempt's local work: its share's gradients (left in ``p.grad``) and sums."""
+
+    step: int
+    world: int  # the failed attempt's participants (the gradients are scaled for it)
+    indices: tuple[int, ...]
+    stats: torch.Tensor  # this participant's addends, not yet summed
 
 
 @dataclass
@@ -164,6 +174,7 @@ class QuorumTrainer:
         self.metrics_file = metrics_file
         self.groups = groups  # replica groups the job was launched with (for the start line)
         self.faults = faults  # injected faults (tests, benchmarks): ``rank`` is the replica group
+        self.eval_timeout_s = cfg.hang_timeout or 600.0
         self.schedule = QuorumSchedule(len(data.train), cfg.batch_size, cfg.seed, cfg.max_steps_per_epoch)  # type: ignore[arg-type]
         self.train_items = Indexed(data.train, by_epoch=data.train_by_epoch)
         seed_everything(cfg.seed)  # the same initial weights on every replica: no transfer at step 0
@@ -186,6 +197,7 @@ class QuorumTrainer:
         self._buffers = list(self.module.buffers())
         self._buffers_before: list[torch.Tensor] = []
         self._synced_buffers = torch.zeros(0, dtype=torch.float64)
+        self._salvage: _Salvage | None = None
 
     # ------------------------------------------------------------------ replicated state
     def register(self, replica: Replica) -> None:
@@ -213,11 +225,10 @@ class QuorumTrainer:
         self.checkpointer.timeline = self.progress.timeline
 
     # ------------------------------------------------------------------ one attempt
-    def _batch(self, attempt: StepAttempt) -> tuple[list[Any], torch.Tensor]:
-        share = attempt.share
-        keys: list[Any] = [(share.epoch, i) for i in share.indices] if self.data.train_by_epoch else list(share.indices)
-        *batch, indices = default_collate([self.train_items[k] for k in keys])
-        return batch, indices
+    def _batch(self, epoch: int, indices: Sequence[int]) -> tuple[list[Any], torch.Tensor]:
+        keys: list[Any] = [(epoch, i) for i in indices] if self.data.train_by_epoch else list(indices)
+        *batch, collated = default_collate([self.train_items[k] for k in keys])
+        return batch, collated
 
     @property
     def train_step(self) -> int:
@@ -232,35 +243,62 @@ class QuorumTrainer:
 
     def train_attempt(self, replica: Replica, attempt: StepAttempt) -> torch.Tensor | None:
         """Forward, backward and the step's collectives; the step's summed stats, or None when
-        a collective failed (the attempt will not commit)."""
+        a collective failed (the attempt will not commit).
+
+        A survivor redoing a step whose gradient average failed (a peer died) keeps what it
+        computed: its gradients are still its own share's (the average writes them back only on
+        success), so it trains only the samples of its new share it has not trained yet and
+        rescales (``_Salvage``). Not with module buffers, which the first forward changed.
+        """
         if self.faults is not None:
             self.faults.at_step(self.train_step + 1)
-        batch, indices = self._batch(attempt)
-        x, y = self.task.to_device(batch, self.device)
+        share, stash = attempt.share, self._salvage
+        self._salvage = None
+        reuse = (
+            stash is not None
+            and attempt.heal is None
+            and stash.step == share.step
+            and not self._buffers
+            and set(stash.indices) <= set(share.indices)
+        )
         self.module.train()
-        self._buffers_before = [b.detach().clone() for b in self._buffers]  # a discarded attempt's forward
-        with self.precision.autocast():  # updates them too (BatchNorm statistics): put back on discard
-            outputs = self.module(x)
-            loss = self.task.loss(outputs, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.precision.scaler.scale(loss * attempt.share.weight).backward()  # type: ignore[no-untyped-call]
+        if reuse:
+            assert stash is not None
+            with torch.no_grad():  # its W_old/G * sum(old share) becomes W/G * sum(old share)
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(attempt.world / stash.world)
+            done = set(stash.indices)
+            rest = [i for i in share.indices if i not in done]
+            stats = stash.stats.clone()
+            log.info("salvaged", step=share.step, kept=len(stash.indices), computing=len(rest))
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            rest, stats = list(share.indices), torch.zeros(STATS, dtype=torch.float64)
+            self._buffers_before = [b.detach().clone() for b in self._buffers]  # a discarded attempt's
+        if rest:  # forward updates them too (BatchNorm statistics): put back on discard
+            batch, indices = self._batch(share.epoch, rest)
+            x, y = self.task.to_device(batch, self.device)
+            with self.precision.autocast():
+                outputs = self.module(x)
+                loss = self.task.loss(outputs, y)
+            # W/G per sample: the participants' average is the global batch's mean (loss_weight).
+            weight = len(rest) * attempt.world / self.cfg.batch_size
+            self.precision.scaler.scale(loss * weight).backward()  # type: ignore[no-untyped-call]
+            stats += share_stats(self.task.correct(outputs.detach(), y), loss.detach().float(), indices, (False, False))
         save_due = self.cfg.checkpoint_every_seconds > 0 and (
             time.monotonic() - self._last_save >= self.cfg.checkpoint_every_seconds
         )
-        stats = share_stats(
-            self.task.correct(outputs.detach(), y), loss.detach().float(), indices, self._votes(attempt)
-        )
+        stats[STOP] = float(self.preemption.kind is not StopKind.NONE)
         stats[SAVE] = float(save_due and attempt.rank == 0)
         if not replica.average_gradients(self.module.parameters()):
+            self._salvage = _Salvage(share.step, attempt.world, share.indices, stats.clone())
             return None
         if self._buffers and not self._sync_buffers(replica, attempt):
             return None
         if not replica.sum(stats):
             return None
         return stats
-
-    def _votes(self, attempt: StepAttempt) -> tuple[bool, bool]:
-        return self.preemption.kind is not StopKind.NONE, False
 
     def _sync_buffers(self, replica: Replica, attempt: StepAttempt) -> bool:
         """Participant 0's buffers become everyone's, as DDP broadcasts rank 0's: a SUM where
@@ -323,7 +361,7 @@ class QuorumTrainer:
                     continue
             if self.progress.finished or (self.train_step >= self.total_steps and not self.evaluating):
                 break
-            step, evaluating = self.train_step, self.evaluating
+            step, evaluating, began = self.train_step, self.evaluating, time.monotonic()
             if self.watchdog is not None:
                 self.watchdog.beat(step, "evaluate" if evaluating else "train")
             if evaluating:
@@ -335,7 +373,9 @@ class QuorumTrainer:
             if apply is None or not replica.commit(apply):
                 if self._buffers and not evaluating:
                     self._restore_buffers()
-                log.info("discarded", step=step, world=attempt.world, evaluating=evaluating)
+                # attempt_s: the attempt's own time, from its quorum to the failed vote (lost work).
+                attempt_s = round(time.monotonic() - began, 3)
+                log.info("discarded", step=step, world=attempt.world, evaluating=evaluating, attempt_s=attempt_s)
                 discarded += 1
                 continue
             assert stats is not None
@@ -350,6 +390,7 @@ class QuorumTrainer:
                     previous_world=world,
                     discarded=discarded,
                     seconds_since_commit=round(now - last_commit, 3),
+                    quorum_s=round(attempt.quorum_seconds, 3),  # forming this quorum (and healing, if any)
                 )
             elif self.train_step % PROGRESS_EVERY == 0:
                 log.info("committed", step=self.train_step, world=attempt.world)
@@ -382,7 +423,10 @@ class QuorumTrainer:
             self.watchdog.beat(step)
         stop = stats[STOP] > 0 and not self.progress.finished
         every = self.cfg.checkpoint_every
-        due = evaluated or (not evaluated and every > 0 and step % every == 0) or stats[SAVE] > 0
+        # The step that completes an epoch is not saved by the step count: its evaluation round
+        # is next, and saves that step's state (one checkpoint per step, not two).
+        periodic = not evaluated and not self.evaluating and every > 0 and step % every == 0
+        due = evaluated or periodic or (stats[SAVE] > 0 and not self.evaluating)
         committed: bool | None = None
         if attempt.rank == 0 and (stop or self.progress.finished or due):
             # The last and a stopping step's checkpoints are waited for: the process ends next.
@@ -460,7 +504,9 @@ class QuorumTrainer:
             np.concatenate([lanes & _LOW32, lanes >> np.uint64(32)]).astype(np.float64)
         )
         stats[STATS:] = extra.cpu()
-        return stats if replica.sum(stats) else None
+        # Shards take uneven time (a node busier than another): wait for the slowest as long as
+        # the watchdog would let a rank evaluate, not the step collectives' few seconds.
+        return stats if replica.sum(stats, timeout_s=self.eval_timeout_s) else None
 
     def _end_epoch(self, stats: torch.Tensor, world: int) -> None:
         """The committed evaluation round: the epoch's record, line, early stop (run by

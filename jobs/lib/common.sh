@@ -9,6 +9,7 @@
 #   ET_CONTAINER  Apptainer image for "container", e.g. /cluster/work/support/container/pytorch_nvidia_25.05_arm64.sif
 #   ET_PIP_ARGS   extra pip arguments for building a runtime venv (below), split at spaces, e.g.
 #                 "--no-index --find-links /cluster/projects/nnXXXXk/wheels" where nodes have no internet
+#   ET_FT         restart (default) | quorum: what a worker failure costs (et_setup_ft below)
 #   ET_GPU_LOG    nvidia-smi CSV log (default: $ET_LOG_DIR/gpu-$SLURM_JOB_ID.csv)
 
 et_log() { printf '[elastic-train %(%F %T)T] %s\n' -1 "$*" >&2; }
@@ -42,6 +43,8 @@ ET_RUNTIME_STAMP=.et-runtime-stamp
 # shellcheck disable=SC2034  # ET_RUN is read by the scripts that source this file
 et_setup_runtime() {
   ET_RUN=()
+  # Quorum mode needs torchft (the pip extra "ft") in a module or container runtime's venv too.
+  if [ "${ET_FT:-restart}" = quorum ]; then export ET_RUNTIME_EXTRAS=ft; fi
   case "${ET_RUNTIME:-venv}" in
     venv)
       local venv=${ET_VENV:-$ET_PROJECT_DIR/.venv}
@@ -80,7 +83,7 @@ et_setup_runtime() {
 # ET_RUNTIME_VENV. Commands run in the runtime through "${ET_RUN[@]}" (see the notes above).
 et_runtime_venv() {
   local kind=$1 identity=$2 key dir tmp pip_args
-  key=$({ printf '%s\n' "$identity"; cat "$ET_PROJECT_DIR/pyproject.toml" "$ET_PROJECT_DIR/jobs/lib/runtime_venv.py"; } |
+  key=$({ printf '%s|extras=%s\n' "$identity" "${ET_RUNTIME_EXTRAS:-}"; cat "$ET_PROJECT_DIR/pyproject.toml" "$ET_PROJECT_DIR/jobs/lib/runtime_venv.py"; } |
     sha256sum | cut -c1-12)
   dir=$ET_PROJECT_DIR/.venv-$kind-$key
   ET_RUNTIME_VENV=$dir
@@ -119,6 +122,31 @@ et_setup_launcher() {
     torchrun) ET_LAUNCH=(torchrun) ;;
     warm) ET_LAUNCH=(python -m elastic_train.launch) ;;
     *) et_die "ET_LAUNCHER=${ET_LAUNCHER} is not torchrun or warm" ;;
+  esac
+}
+
+# Fault tolerance (ET_FT; docs/slurm.md, "Fault-tolerance modes: ET_FT"):
+#   restart (default)  torchrun's semantics: a failed worker stops every worker of the job, which
+#                      restart and resume from the last checkpoint
+#   quorum             python -m elastic_train.quorum.launch: every worker is a replica group of
+#                      its own; the survivors keep training and only the failed worker restarts,
+#                      healing from a live peer. Needs torchft in the runtime (pip extra `ft`)
+# Sets ET_FT_MODE. Call it after et_setup_runtime: quorum mode checks that runtime for torchft's
+# Lighthouse, so that a job without torchft exits 2 with the fix instead of failing (and being
+# requeued as a crash) once its workers start.
+# shellcheck disable=SC2034  # ET_FT_MODE is read by the scripts that source this file
+et_setup_ft() {
+  ET_FT_MODE=${ET_FT:-restart}
+  case $ET_FT_MODE in
+    restart) ;;
+    quorum)
+      # The agent runs torchft_lighthouse from beside its own python (elastic_train/quorum/
+      # lighthouse.py); the wheel installs it there. A look in that directory costs no interpreter.
+      # shellcheck disable=SC2016  # expanded by the shell inside the runtime
+      "${ET_RUN[@]}" sh -c '[ -x "$(dirname "$(command -v python)")/torchft_lighthouse" ] || command -v torchft_lighthouse >/dev/null' ||
+        et_die "ET_FT=quorum needs torchft in the runtime (no torchft_lighthouse beside its python): pip install -e '.[ft]' in the venv (ET_RUNTIME=venv), or submit with ET_FT=restart"
+      ;;
+    *) et_die "ET_FT=${ET_FT} is not restart or quorum" ;;
   esac
 }
 

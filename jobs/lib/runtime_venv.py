@@ -72,10 +72,21 @@ class SetupError(Exception):
     """A problem with the runtime; the message names it and the fix."""
 
 
+# Optional dependency groups to install too, comma-separated (jobs/lib/common.sh sets "ft" for
+# ET_FT=quorum: torchft and its Lighthouse).
+EXTRAS_VAR = "ET_RUNTIME_EXTRAS"
+
+
 def requirements(project: Path) -> list[Requirement]:
-    """The project's runtime dependencies that apply here, except the runtime-provided ones."""
+    """The project's runtime dependencies that apply here (plus the extras of ``EXTRAS_VAR``),
+    except the runtime-provided ones."""
     with (project / "pyproject.toml").open("rb") as fh:
-        listed = tomllib.load(fh)["project"]["dependencies"]
+        project_table = tomllib.load(fh)["project"]
+    listed = list(project_table["dependencies"])
+    for extra in filter(None, os.environ.get(EXTRAS_VAR, "").split(",")):
+        if extra not in project_table.get("optional-dependencies", {}):
+            raise SetupError(f"{EXTRAS_VAR}: pyproject.toml has no optional dependency group {extra!r}")
+        listed += project_table["optional-dependencies"][extra]
     reqs = [Requirement(text) for text in listed]
     return [r for r in reqs if (r.marker is None or r.marker.evaluate()) and not is_runtime_provided(r.name)]
 

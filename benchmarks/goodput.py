@@ -1,0 +1,324 @@
+"""Goodput under worker failures, the way a user sees it: torchrun restarts vs the warm launcher vs quorum mode.
+
+The same training job (synthetic data, the ViT, global batch 128, 2 CPU workers on one node,
+checkpoints every 2 steps) is launched three ways:
+
+* ``torchrun``: ``torchrun --standalone --nproc-per-node 2 --max-restarts 100 -m elastic_train``
+  (a failure restarts both workers from the last checkpoint);
+* ``warm``: ``python -m elastic_train.launch`` with the same flags (the same, workers forked warm);
+* ``quorum``: ``python -m elastic_train.quorum.launch --nproc-per-node 2 --max-restarts 100``
+  (``--ft quorum``: the survivor keeps training, the killed worker is forked again and heals).
+
+For each mode: one run without failures, then ``--soaks`` runs in which ``jobs/chaos.py`` SIGKILLs
+a random worker every ``--mtbf`` seconds (seeded). Soaks of the three modes are interleaved.
+Every run trains the same samples, so
+
+    goodput = (trained samples / fault-free throughput) / wall time = fault-free wall / soak wall
+
+with walls from the launch command to the process's exit (start-up, the first and last
+checkpoint included). The fault-free reference is the FASTEST mode's fault-free run (a mode's
+own overhead counts as lost); goodput against the mode's own fault-free run is printed too.
+Time lost per failure = (soak wall - own fault-free wall) / kills, split from the trainer's event
+logs (see ``split_restart`` and ``split_quorum``). Quorum mode's node loss (one of two agents and
+its worker SIGKILLed, or SIGSTOPped: a frozen node) -> first step at the smaller size is timed
+too. Targets (issue 11): quorum goodput >= 0.95, <= 1 s lost per worker failure, node loss ->
+first step <= 3 s.
+
+    python benchmarks/goodput.py [--soaks 3] [--mtbf 30] [--epochs 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastic_train.logs import parse_timestamp  # noqa: E402
+from elastic_train.testing.processes import TOKEN_VAR, base_env, free_port, kill_tagged, read_jsonl  # noqa: E402
+
+BIN = Path(sys.executable).parent
+MODES = ("torchrun", "warm", "quorum")
+LAUNCH = {
+    "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=100"],
+    "warm": [
+        str(BIN / "python"),
+        "-m",
+        "elastic_train.launch",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=100",
+    ],
+    "quorum": [
+        str(BIN / "python"),
+        "-m",
+        "elastic_train.quorum.launch",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "100",
+    ],
+}
+WORKER = re.compile(r"replica group (\d+): worker pid (\d+)")
+
+
+def train_flags(epochs: int, base: Path) -> list[str]:
+    return [
+        "--batch-size", "128", "--epochs", str(epochs), "--target-accuracy", "1.0", "--patience", "0",
+        "--checkpoint-every", "2", "--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt"),
+    ]  # fmt: skip
+
+
+def events(base: Path, name: str) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    for path in sorted((base / "logs").glob("*.jsonl")):
+        if path.name != "metrics.jsonl":
+            found += [dict(e, _file=path.name) for e in read_jsonl(path) if e.get("event") == name]
+    for e in found:
+        e["_t"] = parse_timestamp(e.get("timestamp")) or 0.0
+    return sorted(found, key=lambda e: e["_t"])
+
+
+def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int) -> dict[str, Any]:
+    """One launch, optionally with chaos; returns its wall time, kills and output."""
+    env = base_env()
+    command = [*LAUNCH[mode], "-m", "elastic_train", *train_flags(epochs, base)]
+    out = base / "launch.out"
+    chaos = None
+    started = time.monotonic()
+    try:
+        with out.open("wb") as sink:
+            proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+            if mtbf:
+                chaos = subprocess.Popen(
+                    [sys.executable, str(ROOT / "jobs" / "chaos.py"), "--mtbf", str(mtbf), "--match", str(base),
+                     "--seed", str(seed), "--duration", "3600", "--idle-exit", "20"],
+                    stdout=subprocess.PIPE, text=True, env=env,
+                )  # fmt: skip
+            code = proc.wait(timeout=epochs * 120 + 600)
+        wall = time.monotonic() - started
+    finally:
+        if chaos is not None:
+            chaos.kill()
+        kill_tagged(env[TOKEN_VAR])
+    kills = []
+    if chaos is not None and chaos.stdout is not None:
+        kills = [json.loads(line) for line in chaos.stdout.read().splitlines() if "chaos_kill" in line]
+    if code != 0:
+        raise RuntimeError(f"{mode} run ended with {code}; see {out}:\n{out.read_text()[-3000:]}")
+    return {"wall_s": wall, "kills": kills, "base": base}
+
+
+def split_restart(base: Path, kills: list[dict[str, Any]], step_s: float) -> dict[str, float]:
+    """torchrun / warm launcher, per failure (medians over the kills): detection, teardown and
+    re-forming the group (the agent noticing, stopping the survivor, the rendezvous round: until
+    the new workers start, one figure, not separable from the trainer's logs), process start
+    (interpreter, imports, process group, data, model), state transfer (reading the checkpoint)
+    and recomputation (steps since the last checkpoint, at the fault-free step time)."""
+    starts = events(base, "start")
+    relaunch, startup, load = [], [], []
+    for kill in kills:
+        new = [e for e in starts if e.get("process_started", 0) > kill["time"]]
+        if not new:
+            continue
+        first = min(e["process_started"] for e in new)
+        batch = [e for e in new if e["process_started"] - first < 5]
+        relaunch.append(first - kill["time"])
+        phases = [e["startup_s"] for e in batch]
+        startup.append(max(sum(v for k, v in p.items() if k != "checkpoint_load") for p in phases))
+        load.append(max(p.get("checkpoint_load", 0.0) for p in phases))
+    done = events(base, "done")
+    recomputed = float(done[-1]["recomputed_steps"]) / max(len(kills), 1) if done else 0.0
+    return {
+        "detection_teardown_reform_s": statistics.median(relaunch) if relaunch else float("nan"),
+        "process_start_s": statistics.median(startup) if startup else float("nan"),
+        "state_transfer_s": statistics.median(load) if load else float("nan"),
+        "recomputation_s": recomputed * step_s,
+    }
+
+
+def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int]) -> dict[str, float]:
+    """Quorum mode, per failure, from the survivor's log: detection (kill -> its attempt
+    discarded: a dead peer's closed socket fails the collective at once), teardown (none: no
+    process stops), re-forming (the next quorum: the Lighthouse's heartbeat timeout), state
+    transfer (the restarted replica healing from the survivor: the survivor's wait for it) and
+    recomputation (the discarded attempt's work)."""
+    detect, reform, redo, transfer = [], [], [], []
+    discarded, changed = events(base, "discarded"), events(base, "quorum_changed")
+    for kill in kills:
+        victim = pids.get(kill["pid"])
+        if victim is None:
+            continue
+        survivor_file = f"replica_{1 - victim}.jsonl"
+        lost = [e for e in discarded if e["_file"] == survivor_file and e["_t"] > kill["time"] - 5]
+        shrink = [e for e in changed if e["_file"] == survivor_file and e["_t"] > kill["time"] and e["world"] == 1]
+        grow = [e for e in changed if e["_t"] > kill["time"] and e["world"] == 2 and e["previous_world"] == 1]
+        if lost:
+            detect.append(max(0.0, lost[0]["_t"] - kill["time"]))
+            redo.append(lost[0].get("attempt_s", 0.0))
+        if shrink:
+            reform.append(shrink[0].get("quorum_s", 0.0))
+        if grow:
+            transfer.append(grow[0].get("quorum_s", 0.0))
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "detection_s": med(detect),
+        "teardown_s": 0.0,
+        "reform_s": med(reform),
+        "state_transfer_s": med(transfer),
+        "recomputation_s": med(redo),
+    }
+
+
+def fault_free_step_s(base: Path, epochs: int) -> float:
+    metrics = read_jsonl(base / "logs" / "metrics.jsonl")
+    times = [m["epoch_time"] for m in metrics][1:] or [m["epoch_time"] for m in metrics]
+    steps = 4096 // 128
+    return statistics.median(times) / steps
+
+
+def node_loss(stop: bool) -> float:
+    """Quorum mode, two agents (one worker each); node 1 SIGKILLed (or SIGSTOPped) -> node 0's
+    first commit at world size 1, seconds (from node 0's log)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        env = base_env()
+        port = free_port()
+        nodes = []
+        try:
+            for rank in (0, 1):
+                where = ["--lighthouse-port", str(port)] if rank == 0 else ["--lighthouse", f"http://127.0.0.1:{port}"]
+                command = [
+                    *LAUNCH["quorum"][:3], "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1", *where,
+                    "-m", "elastic_train", *train_flags(6, base),
+                ]  # fmt: skip
+                with (base / f"node{rank}.out").open("wb") as sink:
+                    nodes.append(
+                        subprocess.Popen(
+                            command, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+                        )
+                    )
+                time.sleep(0 if rank else 3)
+            deadline = time.monotonic() + 180
+            while not [e for e in events(base, "committed") if e["world"] == 2 and e["_file"] == "replica_0.jsonl"]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no commit at world 2 in {base}")
+                time.sleep(0.1)
+            time.sleep(2)
+            lost_at = time.time()
+            os.killpg(nodes[1].pid, signal.SIGSTOP if stop else signal.SIGKILL)
+            while True:
+                shrink = [e for e in events(base, "quorum_changed") if e["_t"] > lost_at and e["world"] == 1]
+                if shrink:
+                    return float(shrink[0]["_t"] - lost_at)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"node 0 never went on alone in {base}")
+                time.sleep(0.1)
+        finally:
+            for node in nodes:
+                try:
+                    os.killpg(node.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            kill_tagged(env[TOKEN_VAR])
+
+
+def summarise(
+    mode: str, ff: dict[str, Any], soaks: list[dict[str, Any]], best_ff: float, epochs: int
+) -> dict[str, Any]:
+    walls = [s["wall_s"] for s in soaks]
+    kills = [len(s["kills"]) for s in soaks]
+    lost = [(s["wall_s"] - ff["wall_s"]) / max(len(s["kills"]), 1) for s in soaks]
+    step_s = fault_free_step_s(ff["base"], epochs)
+    splits = []
+    for s in soaks:
+        if mode == "quorum":
+            pids = {int(pid): int(g) for g, pid in WORKER.findall((s["base"] / "launch.out").read_text())}
+            splits.append(split_quorum(s["base"], s["kills"], pids))
+        else:
+            splits.append(split_restart(s["base"], s["kills"], step_s))
+    split = {k: statistics.median(sp[k] for sp in splits) for k in splits[0]} if splits else {}
+    return {
+        "fault_free_wall_s": ff["wall_s"],
+        "soak_walls_s": walls,
+        "kills": kills,
+        "goodput": statistics.median(best_ff / w for w in walls),
+        "goodput_runs": [best_ff / w for w in walls],
+        "goodput_vs_own": statistics.median(ff["wall_s"] / w for w in walls),
+        "lost_per_failure_s": statistics.median(lost),
+        "lost_per_failure_runs_s": lost,
+        "split_s": split,
+        "fault_free_step_s": step_s,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--soaks", type=int, default=3)
+    parser.add_argument("--mtbf", type=float, default=30.0)
+    parser.add_argument("--epochs", type=int, default=8, help="~14 s each on 2 CPU workers")
+    parser.add_argument("--node-loss-repeats", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    keep: list[tempfile.TemporaryDirectory[str]] = []
+
+    def fresh() -> Path:
+        keep.append(tempfile.TemporaryDirectory())
+        return Path(keep[-1].name)
+
+    try:
+        ff = {m: run(m, fresh(), args.epochs, None, 0) for m in modes}
+        for m in modes:
+            print(f"{m}: fault-free {ff[m]['wall_s']:.1f} s", flush=True)
+        soaks: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        for i in range(args.soaks):
+            for m in modes[i % len(modes) :] + modes[: i % len(modes)]:  # rotate the order: drift hits all
+                soaks[m].append(run(m, fresh(), args.epochs, args.mtbf, seed=100 + i))
+                s = soaks[m][-1]
+                print(f"{m}: soak {i + 1}: {s['wall_s']:.1f} s, {len(s['kills'])} kills", flush=True)
+        best = min(ff[m]["wall_s"] for m in modes)
+        result: dict[str, Any] = {
+            "modes": {m: summarise(m, ff[m], soaks[m], best, args.epochs) for m in modes},
+            "soaks": args.soaks,
+            "mtbf_s": args.mtbf,
+            "epochs": args.epochs,
+            "reference": min(modes, key=lambda m: ff[m]["wall_s"]),
+        }
+        if "quorum" in modes and args.node_loss_repeats:
+            kill = [node_loss(stop=False) for _ in range(args.node_loss_repeats)]
+            frozen = [node_loss(stop=True) for _ in range(args.node_loss_repeats)]
+            result["quorum_node_loss_s"] = {"kill": kill, "stop": frozen}
+    finally:
+        for tmp in keep:
+            tmp.cleanup()
+    for m, r in result["modes"].items():
+        split = ", ".join(f"{k} {v:.2f}" for k, v in r["split_s"].items())
+        print(
+            f"{m}: goodput {r['goodput']:.3f} (vs its own fault-free run {r['goodput_vs_own']:.3f}), "
+            f"lost per failure {r['lost_per_failure_s']:.2f} s [{split}]"
+        )
+    if "quorum_node_loss_s" in result:
+        nl = result["quorum_node_loss_s"]
+        print(
+            f"quorum node loss -> first step: killed {statistics.median(nl['kill']):.2f} s, frozen {statistics.median(nl['stop']):.2f} s"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
