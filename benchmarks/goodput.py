@@ -30,6 +30,7 @@ first step <= 3 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -228,10 +229,8 @@ def node_loss(stop: bool) -> float:
                 time.sleep(0.1)
         finally:
             for node in nodes:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(node.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
             kill_tagged(env[TOKEN_VAR])
 
 
@@ -313,9 +312,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     if "quorum_node_loss_s" in result:
         nl = result["quorum_node_loss_s"]
-        print(
-            f"quorum node loss -> first step: killed {statistics.median(nl['kill']):.2f} s, frozen {statistics.median(nl['stop']):.2f} s"
-        )
+        killed, frozen = statistics.median(nl["kill"]), statistics.median(nl["stop"])
+        print(f"quorum node loss -> first step: killed {killed:.2f} s, frozen {frozen:.2f} s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
 

@@ -6,7 +6,10 @@ logs, which every attempt appends to, so restarts and requeues are all there) an
 * loss and accuracy per epoch, train and validation;
 * throughput per epoch (global images per second), with the world size it ran at;
 * the world size over wall time, one bar per attempt, with markers for restarts (by cause),
-  preemptions, injected faults and checkpoint commits; the goodput in the title.
+  preemptions, injected faults and checkpoint commits; the goodput in the title. A quorum-mode
+  run (``--ft quorum``: ``replica_N.jsonl`` logs) is drawn as the quorum's size over time, a
+  step at every membership change, with markers where a failed attempt was discarded and where
+  a worker healed from a peer.
 
 It prints a short text summary too. matplotlib is an optional extra
 (``pip install 'elastic-train[report]'``); without it the summary is still printed and the exit
@@ -70,10 +73,17 @@ class Run:
     epochs: list[dict[str, Any]]  # the last record of each epoch, in epoch order
     events: list[dict[str, Any]]  # every rank's events, in time order
     attempts: list[Attempt] = field(default_factory=list)
+    # Quorum mode: (time, participants) at every commit that changed the membership, and the
+    # replicas' own events (``_replica``: the group index), in time order.
+    quorum: list[tuple[float, int]] = field(default_factory=list)
+    replica_events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def origin(self) -> float:
         return min([a.start for a in self.attempts] + [_time(e) for e in self.events[:1]] or [0.0])
+
+    def replicas_named(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.replica_events if e.get("event") == name]
 
     def named(self, name: str, rank: int | None = None) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("event") == name and (rank is None or e.get("rank") == rank)]
@@ -107,7 +117,27 @@ def load_run(log_dir: Path) -> Run:
     events.sort(key=_time)
     run = Run(log_dir, [by_epoch[k] for k in sorted(by_epoch)], events)
     run.attempts = _attempts(run.named("start", rank=0), [e for e in events if e.get("rank") == 0])
+    for path in sorted(log_dir.glob("replica_*.jsonl")):
+        group = path.stem.removeprefix("replica_")
+        for event in _read_jsonl(path):
+            at = parse_timestamp(event.get("timestamp"))
+            if at is not None:
+                run.replica_events.append({**event, "_t": at, "_replica": int(group) if group.isdigit() else -1})
+    run.replica_events.sort(key=_time)
+    run.quorum = _quorum_sizes(run.replica_events)
     return run
+
+
+def _quorum_sizes(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    """The quorum's size over time: every replica logs its first commit after a membership
+    change (``quorum_changed``); the participants of one change log it at about the same time,
+    so only changes of the size are kept."""
+    points: list[tuple[float, int]] = []
+    for e in events:
+        changed = e.get("event") == "quorum_changed" and isinstance(e.get("world"), int)
+        if changed and (not points or points[-1][1] != e["world"]):
+            points.append((_time(e), int(e["world"])))
+    return points
 
 
 def _attempts(starts: list[dict[str, Any]], rank0: list[dict[str, Any]]) -> list[Attempt]:
@@ -131,13 +161,22 @@ def summary_lines(run: Run) -> list[str]:
         last, best = run.epochs[-1], max(r["val_acc"] for r in run.epochs)
         lines.append(f"Epochs: {len(run.epochs)} (last val_acc {last['val_acc']:.4f}, best {best:.4f})")
         lines.append(f"Throughput: median {statistics.median(r['throughput'] for r in run.epochs):.1f} img/s")
-    sizes = [a.world_size for a in run.attempts]
-    changes = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
-    lines.append(f"World size: {' -> '.join(map(str, changes)) or 'unknown'} over {len(run.attempts)} attempt(s)")
+    if run.quorum:
+        sizes = [size for _, size in run.quorum]
+        lines.append(f"Quorum size: {' -> '.join(map(str, sizes))} ({len(sizes) - 1} membership change(s))")
+        heals = run.replicas_named("healed")
+        lines.append(
+            f"Attempts discarded: {len(run.replicas_named('discarded'))}; workers healed from a peer: {len(heals)}"
+        )
+    else:
+        sizes = [a.world_size for a in run.attempts]
+        changes = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
+        lines.append(f"World size: {' -> '.join(map(str, changes)) or 'unknown'} over {len(run.attempts)} attempt(s)")
     causes = run.restart_causes()
     detail = ", ".join(f"{cause}: {n}" for cause, n in sorted(causes.items()))
     lines.append(f"Restarts: {sum(causes.values())}" + (f" ({detail})" if detail else ""))
-    lines.append(f"Checkpoints committed: {len(run.named('checkpoint_committed', rank=0))}")
+    commits = run.named("checkpoint_committed", rank=0) + run.replicas_named("checkpoint_committed")
+    lines.append(f"Checkpoints committed: {len(commits)}")
     done = run.done
     if done is not None:
         lines.append(
@@ -195,10 +234,20 @@ def _draw_timeline(run: Run, ax: Any) -> None:
         mark(e, "tab:orange", "preemption signal", ":")
     for e in run.named("fault_injected"):
         mark(e, "black", "injected fault", ":")
-    commits = [_time(e) - t0 for e in run.named("checkpoint_committed", rank=0)]
+    if run.quorum:
+        end = max(_time(e) for e in run.replica_events)
+        xs = [t - t0 for t, _ in run.quorum] + [end - t0]
+        ys = [size for _, size in run.quorum] + [run.quorum[-1][1]]
+        ax.step(xs, ys, where="post", color="tab:green", label="quorum size")
+        for e in run.replicas_named("discarded"):
+            mark(e, "tab:red", "attempt discarded (a peer failed)", ":")
+        for e in run.replicas_named("healed"):
+            mark(e, "tab:cyan", "worker healed from a peer")
+    saved = run.named("checkpoint_committed", rank=0) + run.replicas_named("checkpoint_committed")
+    commits = [_time(e) - t0 for e in saved]
     if commits:
         ax.plot(commits, [0.05] * len(commits), "|", color="tab:blue", markersize=12, label="checkpoint commit")
-    top = max([a.world_size for a in run.attempts] + [1])
+    top = max([a.world_size for a in run.attempts] + [size for _, size in run.quorum] + [1])
     ax.set(
         title="World size over time",
         xlabel="seconds since the job started",

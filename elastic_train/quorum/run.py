@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from datetime import timedelta
 
 import structlog
@@ -134,7 +135,7 @@ def _run(
     groups = int(os.environ.get(GROUPS_VAR, "1"))
     faults = FaultInjector.from_environ(config.replica_group, cfg.checkpoint_dir / ".faults")
     trainer = QuorumTrainer(
-        cfg, placement, task, data, checkpointer, preemption, watchdog, console, metrics, groups, faults
+        cfg, placement, task, data, checkpointer, preemption, watchdog, console, metrics, groups, faults, clock.started
     )
     # The Manager (and its heartbeat to the Lighthouse) starts only now, with the model built: a
     # replica that heartbeats but has not asked to join would hold every quorum up (join timeout).
@@ -159,8 +160,18 @@ def _run(
         checkpointer.close()
     for line in summary.console_lines():
         console.line(line)
+    accounting = trainer.progress.accounting()
+    for line in accounting.summary_lines(summary.productive_time, time.time()):
+        console.line(line)
     console.line("Training completed successfully.")
     log.info(
-        "done", epochs=summary.epochs_run, stopped_early=summary.stopped_early, final_val_acc=summary.final_val_acc
+        "done",
+        epochs=summary.epochs_run,
+        stopped_early=summary.stopped_early,
+        final_val_acc=summary.final_val_acc,
+        goodput=accounting.goodput(summary.productive_time, time.time()),
+        restarts=accounting.restarts,
+        lost_s=accounting.lost_s,
+        recomputed_steps=accounting.recomputed_steps,
     )
     return ExitCode.OK

@@ -62,6 +62,7 @@ from elastic_train.metrics import EpochRecord, MetricSums, Totals, format_digest
 from elastic_train.precision import choose_precision
 from elastic_train.quorum.replica import Replica, StepAttempt
 from elastic_train.quorum.schedule import QuorumSchedule
+from elastic_train.resilience.goodput import Accounting
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.task import ExtraState, Task, TaskData
@@ -110,6 +111,18 @@ class QuorumProgress:
     early_stop: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
     timeline: str = ""  # the checkpoints' line of training (``Checkpointer.timeline``)
+    # Goodput bookkeeping (``Accounting``): when the job started, the workers lost from the
+    # quorum, the time from a commit to the next successful attempt when attempts failed in
+    # between, and the steps those attempts had trained (lost work).
+    job_start: float = 0.0
+    failures: int = 0
+    lost_s: float = 0.0
+    discarded: int = 0
+
+    def accounting(self) -> Accounting:
+        return Accounting(
+            self.job_start, {"failure": self.failures} if self.failures else {}, self.lost_s, self.discarded
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,6 +177,7 @@ class QuorumTrainer:
         metrics_file: MetricsFile | None = None,
         groups: int = 1,
         faults: FaultInjector | None = None,
+        job_start: float | None = None,
     ) -> None:
         self.cfg, self.placement, self.task, self.data = cfg, placement, task, data
         self.device = placement.device
@@ -191,7 +205,9 @@ class QuorumTrainer:
         )
         self.precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
         self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
-        self.progress = QuorumProgress(early_stop=self.stopper.state(), timeline=checkpointer.timeline)
+        self.progress = QuorumProgress(
+            early_stop=self.stopper.state(), timeline=checkpointer.timeline, job_start=job_start or time.time()
+        )
         self._last_save = time.monotonic()
         # Floating or integer module buffers (BatchNorm statistics): kept equal on every replica.
         self._buffers = list(self.module.buffers())
@@ -361,7 +377,7 @@ class QuorumTrainer:
                     continue
             if self.progress.finished or (self.train_step >= self.total_steps and not self.evaluating):
                 break
-            step, evaluating, began = self.train_step, self.evaluating, time.monotonic()
+            step, evaluating, began = self.train_step, self.evaluating, time.perf_counter()
             if self.watchdog is not None:
                 self.watchdog.beat(step, "evaluate" if evaluating else "train")
             if evaluating:
@@ -374,7 +390,7 @@ class QuorumTrainer:
                 if self._buffers and not evaluating:
                     self._restore_buffers()
                 # attempt_s: the attempt's own time, from its quorum to the failed vote (lost work).
-                attempt_s = round(time.monotonic() - began, 3)
+                attempt_s = round(time.perf_counter() - began, 3)
                 log.info("discarded", step=step, world=attempt.world, evaluating=evaluating, attempt_s=attempt_s)
                 discarded += 1
                 continue
@@ -394,6 +410,11 @@ class QuorumTrainer:
                 )
             elif self.train_step % PROGRESS_EVERY == 0:
                 log.info("committed", step=self.train_step, world=attempt.world)
+            if discarded:
+                self.progress.lost_s += began - last_commit
+                self.progress.discarded += discarded
+            if world and attempt.world < world:
+                self.progress.failures += world - attempt.world
             world, discarded, since, last_commit = attempt.world, 0, now, now
             self._after_commit(attempt, stats, evaluated=evaluating)
             if self.progress.finished:
@@ -565,6 +586,7 @@ class QuorumTrainer:
             extra=self.extra.state_dict() if self.extra is not None else None,
             per_rank={TRAIN_SUMS: sums, TRAIN_DIGEST: digest, ELAPSED: torch.tensor([p.elapsed], dtype=torch.float64)},
             app=app.to_json(),
+            accounting=p.accounting().to_json(),
             config=self.cfg.to_json(),
         )
 
@@ -608,6 +630,11 @@ class QuorumTrainer:
             finished=pos.finished,
             timeline=self.checkpointer.timeline,
         )
+        saved = Accounting.from_json(done.payload.accounting) if done.payload.accounting else None
+        if saved is not None:  # the job's start and losses so far (a restart-mode run's too)
+            self.progress.job_start, self.progress.lost_s = saved.job_start, saved.lost_s
+            self.progress.failures = sum(saved.restarts.values())
+            self.progress.discarded = saved.recomputed_steps
 
     def _summary(self, wall: float) -> Summary:
         history = self.progress.history

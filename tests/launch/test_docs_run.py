@@ -25,7 +25,8 @@ def test_quickstart_commands_run_verbatim(tmp_path: Path) -> None:
         if words[0] == "torchrun":
             cwd, argv = tmp_path / "torchrun", [str(BIN / "torchrun"), *words[1:]]
         else:
-            cwd = tmp_path / "launch" if words[2] == "elastic_train.launch" else tmp_path
+            own = {"elastic_train.launch": "launch", "elastic_train.quorum.launch": "quorum"}
+            cwd = tmp_path / own[words[2]] if words[2] in own else tmp_path
             argv = [sys.executable, *words[1:]]
         cwd.mkdir(exist_ok=True)
         done = run(argv, timeout=240, cwd=cwd)
@@ -34,3 +35,4 @@ def test_quickstart_commands_run_verbatim(tmp_path: Path) -> None:
     assert (tmp_path / "report.png").stat().st_size > 20_000
     assert (tmp_path / "launch" / "logs" / "metrics.jsonl").is_file()
     assert (tmp_path / "torchrun" / "logs" / "metrics.jsonl").is_file()
+    assert (tmp_path / "quorum" / "logs" / "metrics.jsonl").is_file()

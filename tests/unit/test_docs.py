@@ -36,6 +36,7 @@ RUN_HERE = [
     "python -m elastic_train.ckpt inspect checkpoints",
     "python -m elastic_train.ckpt export checkpoints -o model.safetensors",
     "python -m elastic_train.report logs -o report.png",
+    "python -m elastic_train.quorum.launch --nproc-per-node 2 -m elastic_train --epochs 2 --max-steps-per-epoch 10",
 ]
 ELASTIC = "tests/launch/test_elastic.py::"
 SLURM = "tests/slurm/test_slurm.py::"
@@ -55,6 +56,8 @@ COVERED_BY: dict[str, str] = {
     + "test_a_new_node_joining_grows_the_job_back_to_two",
     r"sbatch --cpus-per-task=2 jobs/train\.sbatch --epochs 2 --max-steps-per-epoch 10": SLURM
     + "test_train_sbatch_runs_to_completion",
+    r"ET_FT=quorum sbatch jobs/train\.sbatch --epochs 2 --max-steps-per-epoch 10": "tests/slurm/test_slurm_quorum.py::"
+    "test_a_quorum_job_is_preempted_requeued_and_resumes_with_every_sample_exactly_once",
 }
 EXAMPLES = "tests/launch/test_examples.py::"
 README_RUN = EXAMPLES + "test_the_readme_examples_run_verbatim"

@@ -60,3 +60,33 @@ def test_without_matplotlib_the_summary_prints_and_the_fix_is_named(
     assert "Restarts: 1 (hang: 1)" in captured.out
     assert "pip install 'elastic-train[report]'" in captured.err
     assert not (tmp_path / "logs" / "report.png").exists()
+
+
+def test_a_quorum_run_is_drawn_as_the_quorum_size_with_its_discards_and_heals(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    write_run(log_dir)
+    (log_dir / "rank-0.jsonl").unlink()  # quorum mode writes replica_N.jsonl instead
+
+    def line(event: str, second: int, **fields: object) -> str:
+        return json.dumps({"event": event, "timestamp": f"2026-11-30T10:00:{second:02d}Z", **fields}) + "\n"
+
+    (log_dir / "replica_0.jsonl").write_text(
+        line("quorum_changed", 1, world=2)
+        + line("discarded", 9, step=7)
+        + line("quorum_changed", 10, world=1)
+        + line("quorum_changed", 13, world=2)
+        + line("checkpoint_committed", 20, step=12)
+    )
+    (log_dir / "replica_1.jsonl").write_text(
+        line("quorum_changed", 1, world=2)
+        + line("healed", 12, from_step=0, to_step=9)
+        + line("quorum_changed", 13, world=2)
+    )
+    run = report.load_run(log_dir)
+    assert [size for _, size in run.quorum] == [2, 1, 2]
+    lines = report.summary_lines(run)
+    assert "Quorum size: 2 -> 1 -> 2 (2 membership change(s))" in lines
+    assert "Attempts discarded: 1; workers healed from a peer: 1" in lines and "Checkpoints committed: 1" in lines
+    pytest.importorskip("matplotlib")
+    assert report.main([str(log_dir), "-o", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").stat().st_size > 0
