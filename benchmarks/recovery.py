@@ -177,7 +177,7 @@ def soak_goodput(base: Path, seconds: float, mtbf: float) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--soak", type=float, default=180.0, help="seconds of the goodput run")
+    parser.add_argument("--soak", type=float, default=180.0, help="seconds of the goodput run (0: none)")
     parser.add_argument("--mtbf", type=float, default=30.0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
@@ -203,8 +203,10 @@ def main() -> None:
         )
     kills = [run["total"] for run in kill_runs]
     breakdown = {name: statistics.median(run[name] for run in kill_runs) for name in kill_runs[0] if name != "total"}
-    with tempfile.TemporaryDirectory() as s:
-        soak = soak_goodput(Path(s), args.soak, args.mtbf)
+    soak: dict[str, object] = {}
+    if args.soak > 0:  # 0: skip (benchmarks/goodput.py measures goodput for every mode, like for like)
+        with tempfile.TemporaryDirectory() as s:
+            soak = soak_goodput(Path(s), args.soak, args.mtbf)
     result = {
         "kill_to_step_s": statistics.median(kills),
         "kill_breakdown_s": breakdown,
@@ -220,10 +222,11 @@ def main() -> None:
     print("  of which: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in breakdown.items()))
     print(f"node loss -> first step at world size 1: {result['node_loss_to_step_s']:.1f} s")
     print(f"node join -> first step at world size 2: {result['join_to_step_s']:.1f} s")
-    print(
-        f"goodput of a {args.soak:.0f} s run, a worker killed every {args.mtbf:.0f} s ({soak['kills']} kills): "
-        f"{soak['goodput']:.2f} (target >= 0.85)"
-    )
+    if soak:
+        print(
+            f"goodput of a {args.soak:.0f} s run, a worker killed every {args.mtbf:.0f} s ({soak['kills']} kills): "
+            f"{soak['goodput']:.2f} (target >= 0.85)"
+        )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 
