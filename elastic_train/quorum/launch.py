@@ -52,6 +52,7 @@ PRELOAD = [
     "elastic_train.models",
     "elastic_train.quorum.warm",
 ]
+HOST_VAR = "ELASTIC_TRAIN_QUORUM_HOST"  # as elastic_train.quorum.replica (not imported: it needs torch)
 # The trainer flags, for the forkserver's preload of ``elastic_train.quorum.warm`` (JSON list).
 WARM_ARGV_VAR = "ELASTIC_TRAIN_WARM_ARGV"
 POLL_S = 0.05
@@ -217,7 +218,7 @@ class Agent:
 
 def _host_address() -> str:
     """This host's name as the other nodes reach it (Slurm's node names resolve cluster-wide)."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return os.environ.get(HOST_VAR) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -62,6 +62,7 @@ T = TypeVar("T")
 # Exit status of a worker whose state may be half updated (an error after the commit vote): the
 # agent counts it as a failure and restarts the worker, which heals from a live peer.
 EXIT_AFTER_COMMIT_FAILED = ExitCode.QUORUM_STATE_UNSAFE
+HOST_VAR = "ELASTIC_TRAIN_QUORUM_HOST"  # the name or address this host's replicas advertise
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ class ReplicaConfig:
     # How long ``begin_step`` waits for a quorum; longer than any step. Past it the worker fails.
     quorum_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0  # connecting to the Lighthouse and to a peer's Manager
-    # Advertised to peers for the state transfer: must resolve to this host from theirs.
-    hostname: str = field(default_factory=socket.gethostname)
+    # Advertised to peers (the state transfer, the group's store): must reach this host from
+    # theirs. HOST_VAR overrides the host name (e.g. an address where names do not resolve).
+    hostname: str = field(default_factory=lambda: os.environ.get(HOST_VAR) or socket.gethostname())
     # True when replicas may start from different weights: at step 0 all but one then load the
     # first replica's state. False (the default) trusts identically seeded initial weights.
     init_sync: bool = False
@@ -151,6 +153,22 @@ class _GroupEnv:
         return cls(int(os.environ.get("RANK", "0")), world_size, addr, int(port) if port else None)
 
 
+def _state_transport(config: ReplicaConfig) -> Any:
+    """torchft's HTTP state transfer, advertised under ``config.hostname``: torchft's own uses
+    ``socket.gethostname()``, which another host (or network namespace) may resolve to itself."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class AdvertisedHTTPTransport(HTTPTransport[dict[str, Any]]):  # type: ignore[misc]
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{config.hostname}:{port}/checkpoint/"
+
+    transport = AdvertisedHTTPTransport(timeout=timedelta(seconds=config.timeout_s), num_chunks=0)
+    # Its request handler logs every transfer to stderr ("GET /checkpoint/..."): the heal is logged already.
+    transport._server.RequestHandlerClass.log_message = lambda *args, **kwargs: None
+    return transport
+
+
 class Replica:
     """A replica group's torchft ``Manager`` with the settings quorum mode relies on.
 
@@ -166,11 +184,13 @@ class Replica:
         self._own_store: object = None  # kept alive: the Manager and its peers use it
         store_addr, store_port = group.store_addr, group.store_port
         if store_addr is None or store_port is None:
+            # The quorum's process group meets in its first participant's store: peers on other
+            # hosts connect to it by the advertised name (the server listens on every interface).
             store = torch.distributed.TCPStore(  # type: ignore[attr-defined]
-                "127.0.0.1", 0, is_master=True, wait_for_workers=False
+                config.hostname, 0, is_master=True, wait_for_workers=False
             )
             self._own_store = store
-            store_addr, store_port = "127.0.0.1", int(store.port)
+            store_addr, store_port = config.hostname, int(store.port)
         self.manager: Any = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=config.collective_timeout_s)),
             load_state_dict=None,  # state comes from register_state, one entry per component
@@ -188,6 +208,7 @@ class Replica:
             lighthouse_addr=config.lighthouse,
             replica_id=config.replica_id,
             hostname=config.hostname,
+            checkpoint_transport=_state_transport(config),
         )
 
     @property
