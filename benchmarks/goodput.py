@@ -119,7 +119,21 @@ def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int) -> di
         kills = [json.loads(line) for line in chaos.stdout.read().splitlines() if "chaos_kill" in line]
     if code != 0:
         raise RuntimeError(f"{mode} run ended with {code}; see {out}:\n{out.read_text()[-3000:]}")
-    return {"wall_s": wall, "kills": kills, "base": base}
+    digests, weights = final_state(base)
+    return {"wall_s": wall, "kills": kills, "base": base, "digests": digests, "weights": weights}
+
+
+def final_state(base: Path) -> tuple[list[tuple[int, str]], dict[str, Any]]:
+    """The final checkpoint's per-epoch (samples, digest) and model tensors."""
+    from elastic_train.checkpoint.manager import load
+
+    done = load((base / "ckpt" / "latest").resolve())
+    digests = [(int(r["samples_seen"]), str(r["sample_digest"])) for r in done.payload.app["history"]]
+    return digests, {k: v for k, v in done.tensors.items() if k.startswith("model.")}
+
+
+def max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def split_restart(base: Path, kills: list[dict[str, Any]], step_s: float) -> dict[str, float]:
@@ -260,6 +274,10 @@ def summarise(
         "lost_per_failure_runs_s": lost,
         "split_s": split,
         "fault_free_step_s": step_s,
+        # Against the same mode's fault-free run: the same samples every epoch (digests), and
+        # how far the final weights are (0.0: bitwise equal).
+        "exactly_once": all(sk["digests"] == ff["digests"] for sk in soaks),
+        "max_weight_diff": max(max_abs_diff(sk["weights"], ff["weights"]) for sk in soaks),
     }
 
 
@@ -308,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["split_s"].items())
         print(
             f"{m}: goodput {r['goodput']:.3f} (vs its own fault-free run {r['goodput_vs_own']:.3f}), "
-            f"lost per failure {r['lost_per_failure_s']:.2f} s [{split}]"
+            f"lost per failure {r['lost_per_failure_s']:.2f} s [{split}]; exactly once: {r['exactly_once']}, "
+            f"max weight difference from the fault-free run {r['max_weight_diff']:.2e}"
         )
     if "quorum_node_loss_s" in result:
         nl = result["quorum_node_loss_s"]

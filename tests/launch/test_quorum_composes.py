@@ -3,6 +3,7 @@ stop, bad input. Real agents (``python -m elastic_train.quorum.launch``) and rea
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -14,7 +15,7 @@ from elastic_train.checkpoint.manager import load
 from elastic_train.faults import ENV_VAR as FAULTS
 from elastic_train.outcome import ExitCode
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, cli, final_state, kill_tagged, read_jsonl, torchrun
-from tests.launch.test_quorum_trainer import RUN, TOTAL, Job, assert_exactly_once, max_abs_diff
+from tests.launch.test_quorum_trainer import RUN, TOTAL, Job, assert_exactly_once, events, max_abs_diff
 
 AGENT = [str(BIN / "python"), "-m", "elastic_train.quorum.launch"]
 STANDALONE_2 = ["--standalone", "--nproc-per-node=2"]
@@ -99,3 +100,26 @@ def test_quorum_mode_without_a_lighthouse_or_under_plain_torchrun_is_refused_wit
     assert under_torchrun.returncode != 0 and time.monotonic() - started < 60
     assert "one worker per replica group" in under_torchrun.stdout + under_torchrun.stderr
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").glob("step-*"))
+
+
+def test_losing_every_replica_at_once_resumes_from_the_checkpoint_and_keeps_samples_exactly_once(
+    tmp_path: Path, fault_free: Path
+) -> None:
+    job = Job(tmp_path, base_env())
+    try:
+        node = job.start("--nproc-per-node", "2")
+        job.until("a checkpoint past step 20", lambda: job.committed_steps(0) >= 25 and job.committed_steps(1) >= 25)
+        lost_at = time.time()
+        for group in (0, 1):  # no live peer left to heal from
+            os.kill(node.pid(group), signal.SIGKILL)
+        assert job.wait(node) == 0, job.output()
+    finally:
+        kill_tagged(job.env[TOKEN_VAR])
+    # The first quorum after the loss loads latest; a replica that comes up after it heals from it.
+    resumed = [e for g in (0, 1) for e in events(job, g, "resumed", lost_at)]
+    assert resumed and len({e["step"] for e in resumed}) == 1, resumed
+    assert 20 <= resumed[0]["step"] < TOTAL
+    for group in (0, 1):
+        assert events(job, group, "resumed", lost_at) or events(job, group, "healed", lost_at), group
+    assert_exactly_once(tmp_path)
+    assert max_abs_diff(final_state(tmp_path), final_state(fault_free)) < 1e-5
