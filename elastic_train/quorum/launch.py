@@ -40,6 +40,7 @@ from types import FrameType
 
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
+from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, WARM_ARGV_VAR
 
 # Imported by the forkserver once; a forked worker finds them in memory.
 # The last one opens the task's data (``warm``): a restarted worker need not.
@@ -52,9 +53,6 @@ PRELOAD = [
     "elastic_train.models",
     "elastic_train.quorum.warm",
 ]
-HOST_VAR = "ELASTIC_TRAIN_QUORUM_HOST"  # as elastic_train.quorum.replica (not imported: it needs torch)
-# The trainer flags, for the forkserver's preload of ``elastic_train.quorum.warm`` (JSON list).
-WARM_ARGV_VAR = "ELASTIC_TRAIN_WARM_ARGV"
 POLL_S = 0.05
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # Codes after which a worker is not restarted: the run is over for it, or the input is bad.
@@ -121,8 +119,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 class Agent:
-    def __init__(self, args: argparse.Namespace, trainer_argv: list[str], lighthouse: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, trainer_argv: list[str], lighthouse: str, server: Lighthouse | None = None
+    ) -> None:
         self.args = args
+        self.server = server  # the Lighthouse this agent runs (node 0 without --lighthouse), supervised
         self.trainer_argv = ["--ft", "quorum", *trainer_argv]
         self.lighthouse = lighthouse
         self.run_id = args.run_id or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12]
@@ -147,7 +148,7 @@ class Agent:
             "TORCHELASTIC_RESTART_COUNT": str(slot.restarts),
             "TORCHELASTIC_RUN_ID": self.run_id,
             "TORCHFT_LIGHTHOUSE": self.lighthouse,
-            "ELASTIC_TRAIN_QUORUM_GROUPS": str(self.args.nnodes * self.args.nproc_per_node),
+            GROUPS_VAR: str(self.args.nnodes * self.args.nproc_per_node),
             "OMP_NUM_THREADS": self.threads,
         }
 
@@ -179,6 +180,7 @@ class Agent:
         live = list(self.slots)
         while live:
             time.sleep(POLL_S)
+            self.supervise_lighthouse()
             for slot in list(live):
                 assert slot.proc is not None
                 code = slot.proc.exitcode
@@ -204,6 +206,16 @@ class Agent:
                         flush=True,
                     )
         return self.outcome()
+
+    def supervise_lighthouse(self) -> None:
+        """A Lighthouse that died is started again on its port: it keeps no state worth keeping
+        (the next quorum is formed from the replicas' heartbeats), and without it no replica
+        gets past its next step (they exit after the quorum timeout)."""
+        server = self.server
+        if server is None or server.proc is None or server.proc.poll() is None or self.stopping is not None:
+            return
+        print(f"[quorum-agent] Lighthouse exited with {server.proc.returncode}; starting it again", flush=True)
+        server.start()
 
     def outcome(self) -> int:
         """How the training ended, from each replica group's last worker exit."""
@@ -236,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         address = f"http://{'127.0.0.1' if single else _host_address()}:{lighthouse.port}"
         print(f"[quorum-agent] Lighthouse at {address} (pid {lighthouse.pid})", flush=True)
     try:
-        return Agent(args, trainer, address).run()
+        return Agent(args, trainer, address, lighthouse).run()
     finally:
         if lighthouse is not None:
             lighthouse.stop()

@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from elastic_train.outcome import ExitCode
+from elastic_train.quorum.names import HOST_VAR
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
 
 T = TypeVar("T")
@@ -62,7 +63,6 @@ T = TypeVar("T")
 # Exit status of a worker whose state may be half updated (an error after the commit vote): the
 # agent counts it as a failure and restarts the worker, which heals from a live peer.
 EXIT_AFTER_COMMIT_FAILED = ExitCode.QUORUM_STATE_UNSAFE
-HOST_VAR = "ELASTIC_TRAIN_QUORUM_HOST"  # the name or address this host's replicas advertise
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, attach_rank_log
 from elastic_train.outcome import ExitCode, stop_marker, write_marker
 from elastic_train.quorum import warm
+from elastic_train.quorum.names import GROUPS_VAR
 from elastic_train.quorum.replica import Replica, ReplicaConfig
 from elastic_train.quorum.trainer import QuorumTrainer
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
@@ -35,8 +36,6 @@ from elastic_train.startup import StartupClock
 from elastic_train.task import Task
 
 log = structlog.get_logger(__name__)
-
-GROUPS_VAR = "ELASTIC_TRAIN_QUORUM_GROUPS"  # replica groups the job was launched with
 
 
 def replica_config(cfg: TrainConfig) -> ReplicaConfig:

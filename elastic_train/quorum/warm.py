@@ -19,7 +19,7 @@ import os
 import structlog
 
 from elastic_train.config import TrainConfig
-from elastic_train.quorum.launch import WARM_ARGV_VAR
+from elastic_train.quorum.names import WARM_ARGV_VAR
 from elastic_train.task import Task, TaskData
 
 log = structlog.get_logger(__name__)
