@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from elastic_train.data.datasets import TensorImages
 from elastic_train.data.synthetic import synthetic
 from elastic_train.models import build_model
 
@@ -40,12 +41,13 @@ def main() -> None:
     module = build_model("vit", bundle.num_classes, bundle.image_size).to(device)
     model = DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    assert isinstance(bundle.train, TensorImages)  # the synthetic set lives in memory
     data = TensorDataset(bundle.train.images, bundle.train.labels)
-    sampler = DistributedSampler(data, shuffle=True, seed=42, drop_last=True)
+    sampler: DistributedSampler[int] = DistributedSampler(data, shuffle=True, seed=42, drop_last=True)
     loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, drop_last=True, pin_memory=cuda)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        model.train()
+        model.train()  # type: ignore[no-untyped-call]
         images = 0
         start = time.perf_counter()
         for step, (x, y) in enumerate(loader):
@@ -55,7 +57,7 @@ def main() -> None:
             x = (x.float() / 255 - 0.5) / 0.5
             loss = torch.nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             images += x.shape[0] * world
         if cuda:

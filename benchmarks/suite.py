@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -29,14 +30,18 @@ FULL = {
     # 95% interval is narrower than the 3% it must resolve is reported either way.
     "overhead": ["--repeats", "21", "--epochs", "4", "--steps", "12"],
     "checkpoint": ["--repeats", "5", "--mb", "1152", "--saves", "5", "--every", "12"],  # a 1.2 GB state
-    "recovery": ["--repeats", "3", "--soak", "180", "--mtbf", "30", "--launcher", "torchrun"],
-    "recovery-warm": ["--repeats", "3", "--soak", "180", "--mtbf", "30", "--launcher", "warm"],
+    # Recovery times only: goodput under failures is goodput.py's, for every mode alike.
+    "recovery": ["--repeats", "3", "--soak", "0", "--launcher", "torchrun"],
+    "recovery-warm": ["--repeats", "3", "--soak", "0", "--launcher", "warm"],
+    # Per mode one fault-free run and 3 soaks of ~90 s with a kill every 30 s (~22 minutes).
+    "goodput": ["--soaks", "3", "--mtbf", "30", "--epochs", "6", "--node-loss-repeats", "3"],
 }
 QUICK = {
     "overhead": ["--repeats", "1", "--epochs", "2", "--steps", "6"],
     "checkpoint": ["--repeats", "1", "--mb", "40", "--saves", "1", "--every", "8"],
-    "recovery": ["--repeats", "1", "--soak", "45", "--mtbf", "15", "--launcher", "torchrun"],
-    "recovery-warm": ["--repeats", "1", "--soak", "45", "--mtbf", "15", "--launcher", "warm"],
+    "recovery": ["--repeats", "1", "--soak", "0", "--launcher", "torchrun"],
+    "recovery-warm": ["--repeats", "1", "--soak", "0", "--launcher", "warm"],
+    "goodput": ["--soaks", "1", "--mtbf", "10", "--epochs", "2", "--node-loss-repeats", "1"],
 }
 
 
@@ -204,7 +209,7 @@ What stands behind the numbers:
   {stall["window_steps"]:.0f} steps, {stall["window_s"]:.2f} s). Lost per save: {lost} s; of the
   median, {stall["blocked_s"]:.3f} s is waiting (the optimizer step's wait for the staging copy, the
   save's start and commit at the boundary), the rest is slower steps: the writer thread's copy,
-  hashing and writes compete with training for the same cores. A synchronous `torch.save` + fsync
+  hashing and writes run on the cores training uses. A synchronous `torch.save` + fsync
   of the whole state on one rank takes {stall["torch_save_s"]:.3f} s.
 - Load: safetensors' `load_file` maps the files: the optimizer's moments, which
   `load_state_dict` does not copy, are read from disk at their first use, after its timer stops,
@@ -243,23 +248,6 @@ def render(results: dict[str, dict[str, Any]], quick: bool, when: str) -> str:
                 "< 20 s",
                 verdict(max(r["join_to_step_s"], w["join_to_step_s"]) < 20),
             ),
-            row(
-                f"goodput of a ~{r['soak_s']:.0f} s training run ({max(3, round(r['soak_s'] / 14))} epochs; "
-                f"{r['wall_s']:.0f} s / {w['wall_s']:.0f} s "
-                f"with the failures), a random worker SIGKILLed every {r['mtbf_s']:.0f} s "
-                f"(kills: {r['kills']} / {w['kills']}; checkpoint every 2 steps)",
-                f"**{r['goodput']:.2f}**",
-                f"**{w['goodput']:.2f}**",
-                ">= 0.85",
-                f"torchrun: {verdict(r['goodput'] >= 0.85)}; warm: {verdict(w['goodput'] >= 0.85)}",
-            ),
-            row(
-                "in the soak: time lost per failure (recomputation included) / steps recomputed in all",
-                f"{r['lost_s'] / max(1, sum(r['restarts'].values())):.1f} s / {r['recomputed_steps']}",
-                f"{w['lost_s'] / max(1, sum(w['restarts'].values())):.1f} s / {w['recomputed_steps']}",
-                "",
-                "",
-            ),
         ]
     )
     breakdown_rows = "\n".join(
@@ -272,6 +260,7 @@ def render(results: dict[str, dict[str, Any]], quick: bool, when: str) -> str:
     )
     label = "QUICK sizes: a pipeline check, not figures to quote" if quick else "full sizes"
     gpu_result = gpu_table(results.get("gpu_check"))
+    goodput = goodput_section(results["goodput"])
     return f"""# Benchmarks
 
 Each benchmark is a script that measures elastic-train and its baseline in the same run, on the
@@ -282,7 +271,7 @@ noisy). This page is rewritten from their JSON results (`benchmarks/results/`) b
 make bench
 ```
 
-(`benchmarks/suite.py`, about 40 minutes on 2 cores; run it on a quiet machine); nothing below
+(`benchmarks/suite.py`, about 75 minutes on 2 cores; run it on a quiet machine); nothing below
 is typed by hand.
 
 - Written {when} from each benchmark's latest results ({label}).
@@ -315,12 +304,12 @@ each restarted worker:
 rendezvous round; "interpreter and imports" is a fresh Python importing torch and torchvision
 (two processes at once on two cores) for torchrun, a `fork` for the warm launcher; "data"
 builds the in-memory dataset; "until first step" builds the model, wraps it in DDP and runs the
-first step. A failure every {r["mtbf_s"]:.0f} s leaves room for roughly 4.5 s of loss per failure
-at a goodput of 0.85, recomputation included: a torchrun restart spends most of that on process
-start-up alone, which is what the warm launcher removes. What remains is the agent's detection
-and rendezvous, the data and model set-up and the steps since the last checkpoint; going further
-takes recovery without restarting the survivors at all (as torchft does), outside torchrun's
-model.
+first step. A torchrun restart spends most of a failure's cost on process start-up, which is
+what the warm launcher removes; what remains is the agent's detection and rendezvous, the data
+and model set-up and the steps since the last checkpoint. Quorum mode does not restart the
+survivors at all: the next section compares the three like for like.
+
+{goodput}
 
 ## GPU check: `benchmarks/gpu_check.py`
 
@@ -338,6 +327,135 @@ the bare DDP loop on the GPU (>= 0.90).
 
 {gpu_result}
 """
+
+
+def goodput_section(g: dict[str, Any]) -> str:
+    """benchmarks/goodput.py: torchrun restarts vs the warm launcher vs quorum mode."""
+    modes = [m for m in ("torchrun", "warm", "quorum") if m in g["modes"]]
+    names = {"torchrun": "torchrun", "warm": "warm launcher", "quorum": "quorum (`--ft quorum`)"}
+    r = {m: g["modes"][m] for m in modes}
+    q = r.get("quorum")
+
+    def cells(fmt: Any) -> list[str]:
+        return [fmt(r[m]) for m in modes]
+
+    header = "| measure | " + " | ".join(names[m] for m in modes) + " | target | |"
+    rule = "| --- " * (len(modes) + 3) + "|"
+    rows = [
+        row(
+            f"**goodput**: fastest fault-free wall / soak wall, median of {g['soaks']} soaks",
+            *cells(lambda x: f"**{x['goodput']:.3f}**"),
+            ">= 0.95 (quorum)",
+            verdict(q is not None and q["goodput"] >= 0.95),
+        ),
+        row("the soaks' goodputs", *cells(lambda x: ", ".join(f"{v:.3f}" for v in x["goodput_runs"])), "", ""),
+        row("goodput against the mode's own fault-free run", *cells(lambda x: f"{x['goodput_vs_own']:.3f}"), "", ""),
+        row("fault-free wall, launch to exit", *cells(lambda x: f"{x['fault_free_wall_s']:.1f} s"), "", ""),
+        row(
+            "soak walls (kills)",
+            *cells(lambda x: ", ".join(f"{w:.0f} s ({k})" for w, k in zip(x["soak_walls_s"], x["kills"], strict=True))),
+            "",
+            "",
+        ),
+        row(
+            "**time lost per worker failure**: (soak wall - own fault-free wall) / kills, median",
+            *cells(lambda x: f"**{x['lost_per_failure_s']:.2f} s**"),
+            "<= 1 s (quorum)",
+            verdict(q is not None and q["lost_per_failure_s"] <= 1.0),
+        ),
+        row(
+            "every epoch's samples exactly once (sample digests equal the fault-free run's)",
+            *cells(lambda x: "yes" if x["exactly_once"] else "**NO**"),
+            "yes",
+            verdict(all(x["exactly_once"] for x in r.values())),
+        ),
+        row(
+            "final weights: max abs difference from the fault-free run (AdamW)",
+            *cells(lambda x: f"{x['max_weight_diff']:.1e}"),
+            "0 (restart), reduction order (quorum)",
+            "",
+        ),
+    ]
+    node = g.get("quorum_node_loss_s")
+    node_rows = ""
+    if node:
+        kill, stop = statistics.median(node["kill"]), statistics.median(node["stop"])
+        node_rows = "\n".join(
+            [
+                "",
+                "| quorum mode, two agents of one worker | seconds (median) | runs | target | |",
+                "| --- | --- | --- | --- | --- |",
+                row(
+                    "node SIGKILLed (agent, forkserver, worker) -> first commit at size 1",
+                    f"{kill:.2f} s",
+                    ", ".join(f"{v:.2f}" for v in node["kill"]),
+                    "<= 3 s",
+                    verdict(kill <= 3.0),
+                ),
+                row(
+                    "node frozen (SIGSTOP of its whole session) -> first commit at size 1",
+                    f"{stop:.2f} s",
+                    ", ".join(f"{v:.2f}" for v in node["stop"]),
+                    "<= 3 s",
+                    verdict(stop <= 3.0),
+                ),
+            ]
+        )
+    split_names = sorted(
+        {k for x in r.values() for k in x["split_s"]}, key=lambda k: SPLIT_ORDER.index(k) if k in SPLIT_ORDER else 99
+    )
+    split_rows = "\n".join(
+        row(
+            k.removesuffix("_s").replace("_", " "),
+            *cells(lambda x, k=k: f"{x['split_s'][k]:.2f} s" if k in x["split_s"] else ""),
+        )
+        for k in split_names
+    )
+    return f"""## Goodput under failures: `benchmarks/goodput.py`
+
+The same job launched three ways on one node (2 CPU workers, the ViT, global batch 128,
+{g["epochs"]} epochs, a checkpoint every 2 steps): `torchrun --max-restarts=100`, the warm launcher
+(`python -m elastic_train.launch`, same flags) and quorum mode (`python -m elastic_train.quorum.launch`).
+Per mode one run without failures, then {g["soaks"]} soaks in which `jobs/chaos.py` SIGKILLs a random
+worker every {g["mtbf_s"]:.0f} s (seeded; the modes' soaks interleaved). Every run trains the same
+samples, so goodput = (trained samples / fault-free throughput) / wall = fault-free wall / soak
+wall, walls from the launch command to the process's exit (start-up and the final checkpoint
+included). The fault-free reference is the fastest mode's ({g["reference"]}): a mode's own overhead
+counts as lost.
+
+{header}
+{rule}
+{chr(10).join(rows)}
+{node_rows}
+
+Where a failure's time goes (medians over the kills of the soaks, from the trainer's event logs).
+For torchrun and the warm launcher: detection, teardown and re-forming are one figure (the agent
+noticing the dead worker, stopping the survivor, the rendezvous round, until the new workers
+start), then the new processes' start (interpreter or fork, imports, process group, data, model),
+the checkpoint read (state transfer) and the steps since the last checkpoint redone at the
+fault-free step time (recomputation). For quorum mode: detection is the kill to the survivor's
+discarded attempt (a dead peer's closed socket fails its allreduce at once, but only when the
+survivor reaches it), teardown is none (no process stops), re-forming is the next quorum
+(the Lighthouse's 400 ms heartbeat timeout), state transfer is the survivor's wait while the
+restarted worker heals from it, recomputation the discarded attempt's work. The rest of the
+time lost is capacity: until the replacement is back, the survivor trains the whole global batch
+alone on its one core.
+
+| phase | {" | ".join(names[m] for m in modes)} |
+| {" | ".join(["---"] * (len(modes) + 1))} |
+{split_rows}
+"""
+
+
+SPLIT_ORDER = [
+    "detection_teardown_reform_s",
+    "detection_s",
+    "teardown_s",
+    "reform_s",
+    "process_start_s",
+    "state_transfer_s",
+    "recomputation_s",
+]
 
 
 # Where a GPU check was run (`python benchmarks/gpu_check.py --json benchmarks/results/gpu_check.json`
