@@ -62,6 +62,9 @@ FINAL = {ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.USAGE}
 def worker(environ: dict[str, str], argv: list[str]) -> None:
     """A worker's entry point, in a process forked from the preloaded forkserver."""
     os.environ.update(environ)
+    # A job template's MASTER_ADDR/PORT would become every replica's own store: each hosts its own.
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)  # the trainer installs its own
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -113,6 +116,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args = p.parse_args(ours)
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         p.error(f"--nproc-per-node {args.nproc_per_node}, --nnodes {args.nnodes}, --node-rank {args.node_rank}: bad")
+    if args.nnodes > 1 and args.run_id is None and not os.environ.get("SLURM_JOB_ID"):
+        p.error("--nnodes > 1 needs one --run-id for every node's agent (the job's checkpoint lock is shared by it)")
     if args.lighthouse is None and args.node_rank != 0:
         p.error("only node 0 starts the Lighthouse: pass --lighthouse http://<node 0>:<port> on the others")
     return args, trainer
@@ -215,7 +220,11 @@ class Agent:
         if server is None or server.proc is None or server.proc.poll() is None or self.stopping is not None:
             return
         print(f"[quorum-agent] Lighthouse exited with {server.proc.returncode}; starting it again", flush=True)
-        server.start()
+        try:
+            server.start()
+        except (OSError, RuntimeError, TimeoutError) as exc:  # the workers end after their quorum timeout
+            print(f"[quorum-agent] could not start the Lighthouse again: {exc}", flush=True)
+            self.server = None
 
     def outcome(self) -> int:
         """How the training ended, from each replica group's last worker exit."""

@@ -153,6 +153,17 @@ class _GroupEnv:
         return cls(int(os.environ.get("RANK", "0")), world_size, addr, int(port) if port else None)
 
 
+def _host_copy(state: T) -> T:
+    """A copy of ``state`` whose tensors are in host memory: no second copy of a large model on
+    its GPU while a peer heals (the healer's ``load`` moves them to its device)."""
+    from torch.utils._pytree import tree_map
+
+    def copy_leaf(leaf: Any) -> Any:
+        return leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else copy.deepcopy(leaf)
+
+    return tree_map(copy_leaf, state)  # type: ignore[no-any-return]
+
+
 def _state_transport(config: ReplicaConfig) -> Any:
     """torchft's HTTP state transfer, advertised under ``config.hostname``: torchft's own uses
     ``socket.gethostname()``, which another host (or network namespace) may resolve to itself."""
@@ -226,7 +237,7 @@ class Replica:
         returning live containers) changes meanwhile. It costs one copy of the state, taken only
         when a peer heals.
         """
-        self.manager.register_state_dict_fn(name, load, lambda: copy.deepcopy(state()))
+        self.manager.register_state_dict_fn(name, load, lambda: _host_copy(state()))
 
     def begin_step(self, schedule: QuorumSchedule, position: Callable[[], int] | None = None) -> StepAttempt:
         """Join the quorum for the next step (healing from a peer first if this replica is

@@ -14,6 +14,7 @@ import time
 from datetime import timedelta
 
 import structlog
+import torch
 import torch.distributed as dist
 
 from elastic_train import __version__
@@ -55,7 +56,11 @@ def replica_config(cfg: TrainConfig) -> ReplicaConfig:
             # A dead peer's closed socket fails a collective at once; a frozen one (SIGSTOP, a cut
             # network) holds it until this timeout: the survivors' cost of a node loss.
             collective_timeout_s=cfg.peer_timeout,
-            quorum_timeout_s=max(60.0, cfg.hang_timeout),
+            # Inside the step watchdog's limit (it beats before every quorum), else 60 s.
+            quorum_timeout_s=max(10.0, 0.8 * cfg.hang_timeout) if cfg.hang_timeout else 60.0,
+            # The state transfer to a healing peer (and the sender's wait for it): grows with the
+            # state; torchft's default 10 s would fail a multi-GB heal.
+            timeout_s=max(10.0, 0.5 * cfg.hang_timeout),
         )
     except ValueError as exc:
         raise UsageError(str(exc), "pass --lighthouse http://host:port") from None
@@ -77,6 +82,8 @@ def train_quorum(
             "launch with python -m elastic_train.quorum.launch --nproc-per-node N (each worker is its own group)",
         )
     config = replica_config(cfg)
+    if placement.is_cuda:  # torchft's streams and syncs use the current device: this replica's GPU
+        torch.cuda.set_device(placement.device)
     dist.init_process_group(
         "gloo",
         store=dist.HashStore(),  # type: ignore[attr-defined]
@@ -115,6 +122,12 @@ def _run(
     clock.mark("data")
     fingerprint = run_fingerprint(cfg, task, data.identify(), cfg.task is None)
     checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint)
+    try:  # refuse a directory another job holds now, not at the first save (same job: taken over)
+        checkpointer.lock.ensure_held()
+    except OSError as exc:
+        raise UsageError(
+            f"--checkpoint-dir {cfg.checkpoint_dir} cannot be used: {exc}", "pass a writable folder"
+        ) from None
     attach_rank_log(cfg.log_dir, env, f"{config.replica_id}.jsonl")
     log.info(
         "start",
@@ -149,7 +162,11 @@ def _run(
         if exc.committed:
             write_marker(cfg.checkpoint_dir, stop_marker(exc.kind.cause, exc.step, preemption.signal_name or "", True))
         what = "Preempted" if exc.kind is StopKind.PREEMPT else "Stopped"
-        state = "checkpoint committed" if exc.committed else "checkpoint by a peer"
+        state = (
+            "checkpoint committed"
+            if exc.committed
+            else "CHECKPOINT FAILED or taken by a peer (the previous one is kept)"
+        )
         console.line(f"{what} at step {exc.step}: {state}; exiting with code {code}")
         log.warning("exit", code=code, step=exc.step, committed=exc.committed)
         return code

@@ -85,6 +85,7 @@ _LOW32 = np.uint64(0xFFFFFFFF)
 # halves over W participants stays below 2^53, exact in float64, for W < 2^21).
 CORRECT, LOSS_SUM, SAMPLES, STOP, SAVE, DIGEST = 0, 1, 2, 3, 4, 5
 STATS = DIGEST + 4
+MAX_DISCARDS = 20  # attempts in a row before a worker gives up (see ``fit``)
 PROGRESS_EVERY = 5  # committed steps between "committed" log events (each replica's progress)
 
 
@@ -188,7 +189,8 @@ class QuorumTrainer:
         self.metrics_file = metrics_file
         self.groups = groups  # replica groups the job was launched with (for the start line)
         self.faults = faults  # injected faults (tests, benchmarks): ``rank`` is the replica group
-        self.eval_timeout_s = cfg.hang_timeout or 600.0
+        # Inside the step watchdog's limit, which last saw this replica before the round's collective.
+        self.eval_timeout_s = 0.5 * cfg.hang_timeout if cfg.hang_timeout else 600.0
         self.schedule = QuorumSchedule(len(data.train), cfg.batch_size, cfg.seed, cfg.max_steps_per_epoch)  # type: ignore[arg-type]
         self.train_items = Indexed(data.train, by_epoch=data.train_by_epoch)
         seed_everything(cfg.seed)  # the same initial weights on every replica: no transfer at step 0
@@ -363,6 +365,8 @@ class QuorumTrainer:
         since = last_commit = time.perf_counter()  # a step's training time counts its discarded attempts
         world, discarded = 0, 0
         while True:
+            if self.watchdog is not None:  # waiting for a quorum (bounded by the quorum timeout)
+                self.watchdog.beat(self.train_step, "quorum")
             attempt = replica.begin_step(self.schedule, lambda: self.train_step)
             if attempt.heal is not None:
                 heal = attempt.heal
@@ -393,6 +397,16 @@ class QuorumTrainer:
                 attempt_s = round(time.perf_counter() - began, 3)
                 log.info("discarded", step=step, world=attempt.world, evaluating=evaluating, attempt_s=attempt_s)
                 discarded += 1
+                if discarded >= MAX_DISCARDS:
+                    # A replica that heartbeats but whose collectives always fail (gloo bound to the
+                    # wrong interface, a firewall, a timeout shorter than the allreduce) would keep
+                    # every quorum failing forever: end this worker, with the likely causes.
+                    raise RuntimeError(
+                        f"{discarded} attempts in a row at step {step} were discarded (world {attempt.world}): the "
+                        "replicas reach the Lighthouse but not each other. Check GLOO_SOCKET_IFNAME (the "
+                        "interface the nodes share), firewalls between the nodes, and raise --peer-timeout "
+                        "if a step's allreduce takes longer"
+                    )
                 continue
             assert stats is not None
             now = time.perf_counter()

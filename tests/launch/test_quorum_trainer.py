@@ -203,7 +203,7 @@ def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every
 def test_a_frozen_node_is_left_behind_within_seconds_and_a_late_node_joins_by_healing(job: Job) -> None:
     port = free_port()
     lighthouse = f"http://127.0.0.1:{port}"
-    common = ["--nnodes", "2", "--nproc-per-node", "1"]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"frozen-{port}"]
     node0 = job.start(*common, "--node-rank", "0", "--lighthouse-port", str(port), name="node0")
     job.until("node 0 training alone", lambda: job.committed_steps(0) >= 10)
     node1 = job.start(*common, "--node-rank", "1", "--lighthouse", lighthouse, name="node1")

@@ -42,6 +42,7 @@ def start(job: Job, host: Host, rank: int, lighthouse: list[str], epochs: int) -
     command = host.command(
         [
             str(BIN / "python"), "-m", "elastic_train.quorum.launch", "--nnodes", "2", "--node-rank", str(rank),
+            "--run-id", job.env["ELASTIC_TRAIN_TEST_TOKEN"],
             "--nproc-per-node", "1", *lighthouse, "-m", "elastic_train", *run,
             "--log-dir", str(job.base / "logs"), "--checkpoint-dir", str(job.base / "ckpt"),
         ]
