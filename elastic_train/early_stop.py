@@ -42,6 +42,14 @@ class EarlyStopper:
     def state(self) -> dict[str, Any]:
         return asdict(self)
 
+    def resume(self, state: dict[str, Any]) -> None:
+        """Continue from a saved ``state``: its progress (best accuracy, epochs without
+        improvement), under this run's own target and patience (they may have changed)."""
+        target, patience = self.target_accuracy, self.patience
+        for key, value in state.items():
+            setattr(self, key, value)
+        self.target_accuracy, self.patience = target, patience
+
 
 def decide_stop(stopper: EarlyStopper, val_accuracy: float, is_main: bool, device: torch.device) -> bool:
     """Collective: rank 0 updates its stopper and broadcasts; all ranks return the same bool.

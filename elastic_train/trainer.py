@@ -111,6 +111,20 @@ class TrainerCheckpoint:
             raise ValueError(f"checkpoint has no trainer state ({exc!r}): written by a custom loop?") from None
 
 
+def restore_extra(extra: ExtraState | None, saved: dict[str, torch.Tensor], task: Task, folder: object) -> None:
+    """Put a checkpoint's extra state back into the task's (refused when the task keeps some and
+    the checkpoint has none: it was written by another task)."""
+    if extra is not None and not saved:
+        raise UsageError(
+            f"checkpoint {folder} has no extra state, but task {task.name} keeps some",
+            "resume with the task that wrote it, or start fresh with another --checkpoint-dir",
+        )
+    if extra is not None:
+        extra.load_state_dict(saved)
+    elif saved:
+        log.warning("extra_state_dropped", tensors=len(saved), detail="the task keeps no extra state")
+
+
 # Per-rank checkpoint tensors of a partly trained epoch.
 TRAIN_SUMS, TRAIN_DIGEST, ELAPSED = "metrics.train_sums", "metrics.train_digest", "metrics.elapsed"
 
@@ -291,19 +305,9 @@ class Trainer:
             scheduler=self.scheduler,
             scaler=self.precision.scaler,
         )
-        if self.extra is not None and not done.extra:
-            raise UsageError(
-                f"checkpoint {loaded.folder} has no extra state, but task {self.task.name} keeps some",
-                "resume with the task that wrote it, or start fresh with another --checkpoint-dir",
-            )
-        if self.extra is not None:
-            self.extra.load_state_dict(done.extra)
-        elif done.extra:
-            log.warning("extra_state_dropped", tensors=len(done.extra), detail="the task keeps no extra state")
+        restore_extra(self.extra, done.extra, self.task, loaded.folder)
         app = TrainerCheckpoint.from_json(done.payload.app)
-        for key, value in app.early_stop.items():
-            setattr(self.stopper, key, value)
-        self.stopper.target_accuracy, self.stopper.patience = self.cfg.target_accuracy, self.cfg.patience
+        self.stopper.resume(app.early_stop)
         pos = done.position
         self.state = TrainState(pos.epoch, pos.step, pos.batch_in_epoch, [EpochRecord(**r) for r in app.history])
         sums = MetricSums(self.device)

@@ -74,6 +74,7 @@ from elastic_train.trainer import (
     TrainerCheckpoint,
     build_optimizer,
     build_schedule,
+    restore_extra,
     seed_everything,
 )
 
@@ -237,9 +238,7 @@ class QuorumTrainer:
 
     def _load_progress(self, state: dict[str, Any]) -> None:
         self.progress.load(state)
-        for key, value in self.progress.early_stop.items():
-            setattr(self.stopper, key, value)
-        self.stopper.target_accuracy, self.stopper.patience = self.cfg.target_accuracy, self.cfg.patience
+        self.stopper.resume(self.progress.early_stop)
         self.checkpointer.timeline = self.progress.timeline
 
     # ------------------------------------------------------------------ one attempt
@@ -617,17 +616,9 @@ class QuorumTrainer:
             scheduler=self.scheduler,
             scaler=self.precision.scaler,
         )
-        if self.extra is not None and not done.extra:
-            raise UsageError(
-                f"checkpoint {loaded.folder} has no extra state, but task {self.task.name} keeps some",
-                "resume with the task that wrote it, or start fresh with another --checkpoint-dir",
-            )
-        if self.extra is not None:
-            self.extra.load_state_dict(done.extra)
+        restore_extra(self.extra, done.extra, self.task, loaded.folder)
         app = TrainerCheckpoint.from_json(done.payload.app)
-        for key, value in app.early_stop.items():
-            setattr(self.stopper, key, value)
-        self.stopper.target_accuracy, self.stopper.patience = self.cfg.target_accuracy, self.cfg.patience
+        self.stopper.resume(app.early_stop)
         pos = done.position
         sums = MetricSums(torch.device("cpu"))
         for part in done.old_ranks:
