@@ -26,7 +26,7 @@ demo: $(STAMP)
 ## Slurm requeues, rendezvous), so two lanes keep the 2-core machine busy; a file's tests stay
 ## together on one worker (module fixtures, the one local Slurm node, network namespaces).
 test: $(STAMP) lint
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check elastic_train tests benchmarks jobs examples

@@ -17,9 +17,10 @@ Every run trains the same samples, so
     goodput = (trained samples / fault-free throughput) / wall time = fault-free wall / soak wall
 
 with walls from the launch command to the process's exit (start-up, the first and last
-checkpoint included). The fault-free reference is the FASTEST mode's fault-free run (a mode's
-own overhead counts as lost); goodput against the mode's own fault-free run is printed too.
-Time lost per failure = (soak wall - own fault-free wall) / kills, split from the trainer's event
+checkpoint included), each soak against the fault-free run of its own round (``paired``). The
+reference is the FASTEST mode's fault-free wall (a mode's own overhead counts as lost); goodput
+against the mode's own fault-free run is printed too. Time lost per failure = (soak wall - the
+round's fault-free wall) / kills, medians over the rounds, split from the trainer's event
 logs (see ``split_restart`` and ``split_quorum``). Quorum mode's node loss (one of two agents and
 its worker SIGKILLed, or SIGSTOPped: a frozen node) -> first step at the smaller size is timed
 too. Targets (issue 11): quorum goodput >= 0.95, <= 1 s lost per worker failure, node loss ->
@@ -250,12 +251,33 @@ def node_loss(stop: bool) -> float:
             kill_tagged(env[TOKEN_VAR])
 
 
+def paired(ff_walls: list[float], soak_walls: list[float], kills: list[int], best_ff: float) -> dict[str, Any]:
+    """Each soak against the fault-free run of its own round (run just before it): the machine's
+    drift between rounds (fault-free walls here varied by 20% in one quiet hour) cancels. A
+    mode's goodput against the fastest mode's fault-free wall also charges its own overhead:
+    the round's goodput times own median fault-free / fastest median fault-free."""
+    own = statistics.median(ff_walls)
+    vs_own = [f / w for f, w in zip(ff_walls, soak_walls, strict=True)]
+    lost = [(w - f) / max(k, 1) for f, w, k in zip(ff_walls, soak_walls, kills, strict=True)]
+    runs = [g * best_ff / own for g in vs_own]
+    return {
+        "fault_free_wall_s": own,  # the median of the fault-free runs
+        "fault_free_walls_s": ff_walls,  # round by round, paired with soak_walls_s
+        "soak_walls_s": soak_walls,
+        "kills": kills,
+        "goodput": statistics.median(runs),
+        "goodput_runs": runs,
+        "goodput_vs_own": statistics.median(vs_own),
+        "lost_per_failure_s": statistics.median(lost),
+        "lost_per_failure_runs_s": lost,
+        # A soak faster than its own round's fault-free run: noise exceeded what the kills cost.
+        "noisy_rounds": sum(w < f for f, w in zip(ff_walls, soak_walls, strict=True)),
+    }
+
+
 def summarise(
-    mode: str, ff: dict[str, Any], soaks: list[dict[str, Any]], best_ff: float, epochs: int
+    mode: str, ff: dict[str, Any], ff_walls: list[float], soaks: list[dict[str, Any]], best_ff: float, epochs: int
 ) -> dict[str, Any]:
-    walls = [s["wall_s"] for s in soaks]
-    kills = [len(s["kills"]) for s in soaks]
-    lost = [(s["wall_s"] - ff["wall_s"]) / max(len(s["kills"]), 1) for s in soaks]
     step_s = fault_free_step_s(ff["base"], epochs)
     splits = []
     for s in soaks:
@@ -266,14 +288,7 @@ def summarise(
             splits.append(split_restart(s["base"], s["kills"], step_s))
     split = {k: statistics.median(sp[k] for sp in splits) for k in splits[0]} if splits else {}
     return {
-        "fault_free_wall_s": ff["wall_s"],  # the median of the fault-free runs
-        "soak_walls_s": walls,
-        "kills": kills,
-        "goodput": statistics.median(best_ff / w for w in walls),
-        "goodput_runs": [best_ff / w for w in walls],
-        "goodput_vs_own": statistics.median(ff["wall_s"] / w for w in walls),
-        "lost_per_failure_s": statistics.median(lost),
-        "lost_per_failure_runs_s": lost,
+        **paired(ff_walls, [s["wall_s"] for s in soaks], [len(s["kills"]) for s in soaks], best_ff),
         "split_s": split,
         "fault_free_step_s": step_s,
         # Against the same mode's fault-free run: the same samples every epoch (digests), and
@@ -315,7 +330,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         ff = {m: {**runs[m][0], "wall_s": statistics.median(r["wall_s"] for r in runs[m])} for m in modes}
         best = min(ff[m]["wall_s"] for m in modes)
         result: dict[str, Any] = {
-            "modes": {m: summarise(m, ff[m], soaks[m], best, args.epochs) for m in modes},
+            "modes": {
+                m: summarise(m, ff[m], [r["wall_s"] for r in runs[m]], soaks[m], best, args.epochs) for m in modes
+            },
             "soaks": args.soaks,
             "mtbf_s": args.mtbf,
             "epochs": args.epochs,

@@ -339,25 +339,39 @@ def goodput_section(g: dict[str, Any]) -> str:
     def cells(fmt: Any) -> list[str]:
         return [fmt(r[m]) for m in modes]
 
-    # A soak faster than its fault-free reference: the machine's noise exceeds what failures cost.
+    # A quorum soak faster than its own round's fault-free run: noise exceeds what failures cost.
     noisy = (
-        "**inconclusive**: a soak ran faster than its fault-free reference (noise larger than the effect)"
-        if any(w < x["fault_free_wall_s"] for x in r.values() for w in x["soak_walls_s"])
+        "**inconclusive**: a soak ran faster than its round's fault-free run (noise larger than the effect)"
+        if q is not None and q.get("noisy_rounds", 0)
         else ""
     )
+
+    def walls(x: dict[str, Any]) -> str:
+        ff = x.get("fault_free_walls_s") or [x["fault_free_wall_s"]]
+        return ", ".join(f"{w:.0f} s" for w in ff)
 
     header = "| measure | " + " | ".join(names[m] for m in modes) + " | target | |"
     rule = "| --- " * (len(modes) + 3) + "|"
     rows = [
         row(
-            f"**goodput**: fastest fault-free wall / soak wall, median of {g['soaks']} soaks",
-            *cells(lambda x: f"**{x['goodput']:.3f}**"),
+            f"**goodput**: the round's fault-free wall / soak wall, median of {g['soaks']} rounds",
+            *cells(lambda x: f"**{x['goodput_vs_own']:.3f}**"),
             ">= 0.95 (quorum)",
-            noisy or verdict(q is not None and q["goodput"] >= 0.95),
+            noisy or verdict(q is not None and q["goodput_vs_own"] >= 0.95),
         ),
-        row("the soaks' goodputs", *cells(lambda x: ", ".join(f"{v:.3f}" for v in x["goodput_runs"])), "", ""),
-        row("goodput against the mode's own fault-free run", *cells(lambda x: f"{x['goodput_vs_own']:.3f}"), "", ""),
-        row("fault-free wall, launch to exit", *cells(lambda x: f"{x['fault_free_wall_s']:.1f} s"), "", ""),
+        row(
+            "goodput with the fastest mode's fault-free wall as reference (own overhead charged)",
+            *cells(lambda x: f"{x['goodput']:.3f}"),
+            "",
+            "",
+        ),
+        row(
+            "the rounds' goodputs, fastest reference",
+            *cells(lambda x: ", ".join(f"{v:.3f}" for v in x["goodput_runs"])),
+            "",
+            "",
+        ),
+        row("fault-free walls, launch to exit, by round", *cells(walls), "", ""),
         row(
             "soak walls (kills)",
             *cells(lambda x: ", ".join(f"{w:.0f} s ({k})" for w, k in zip(x["soak_walls_s"], x["kills"], strict=True))),
@@ -365,7 +379,7 @@ def goodput_section(g: dict[str, Any]) -> str:
             "",
         ),
         row(
-            "**time lost per worker failure**: (soak wall - own fault-free wall) / kills, median",
+            "**time lost per worker failure**: (soak wall - the round's fault-free wall) / kills, median",
             *cells(lambda x: f"**{x['lost_per_failure_s']:.2f} s**"),
             "<= 1 s (quorum)",
             noisy or verdict(q is not None and q["lost_per_failure_s"] <= 1.0),
@@ -428,8 +442,10 @@ random worker every {g["mtbf_s"]:.0f} s (seeded), in rounds that interleave the 
 Every run trains the same
 samples, so goodput = (trained samples / fault-free throughput) / wall = fault-free wall / soak
 wall, walls from the launch command to the process's exit (start-up and the final checkpoint
-included). The fault-free reference is the fastest mode's ({g["reference"]}): a mode's own overhead
-counts as lost.
+included). Each soak is compared with the fault-free run of the same mode just before it (its
+round): fault-free walls drift by more than the effect between rounds. The second goodput row
+charges a mode's own overhead too: the reference is the fastest mode's ({g["reference"]}) median
+fault-free wall, itself within the noise. {g.get("note", "")}
 
 {header}
 {rule}

@@ -7,11 +7,14 @@ too; they are re-exported here so that a test imports its helpers from one place
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -59,6 +62,7 @@ __all__ = [
     "ranks",
     "read_jsonl",
     "run",
+    "shared_once",
     "spawn_ranks",
     "tagged",
     "torchrun",
@@ -237,3 +241,24 @@ def state_hash(checkpoints: Path, prefixes: tuple[str, ...] = ("model.",)) -> st
         digest.update(f"{short}|{value.dtype}|{tuple(value.shape)}\n".encode())
         digest.update(value.view(-1).view(dtype=torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def shared_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that ``build`` filled once for the whole test session, whichever pytest-xdist
+    worker asks first (the others wait on a file lock): e.g. one fault-free reference run for
+    every test file that compares with it. A failed build is retried by the next caller."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, shared by its workers (never an older session's)
+    done = base / f"shared-{name}.done"
+    with (base / f"shared-{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if done.exists():
+                return Path(done.read_text())
+            folder = Path(tempfile.mkdtemp(prefix=f"shared-{name}-", dir=base))
+            build(folder)
+            done.write_text(str(folder))
+            return folder
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

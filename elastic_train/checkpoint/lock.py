@@ -55,6 +55,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,13 +257,23 @@ class CheckpointLock:
         except FileExistsError:
             with contextlib.suppress(FileNotFoundError):
                 st = os.stat(mutex)
-                if time.time() - st.st_mtime > MUTEX_STALE_S:
+                # A commit holds it too (``still_held``), so a holder killed mid-commit on this
+                # host is common enough (a worker SIGKILL) to be cleared at once, not after 30 s.
+                if time.time() - st.st_mtime > MUTEX_STALE_S or self._mutex_holder_died(mutex):
                     log.warning("checkpoint_lock_mutex_cleared", path=str(mutex))
                     _remove_if(mutex, st.st_ino, st.st_mtime_ns)
             return False
         os.write(fd, f"{self.host} {os.getpid()}\n".encode())
         os.close(fd)
         return True
+
+    def _mutex_holder_died(self, mutex: Path) -> bool:
+        """True if the mutex names a process of this host that no longer exists."""
+        try:
+            host, pid = mutex.read_text().split()
+            return host == self.host and int(pid) != os.getpid() and not _pid_alive(int(pid))
+        except (OSError, ValueError):
+            return False  # being written, or damaged: judged by its age alone
 
     def _unlock_mutex(self) -> None:
         self.path.with_name(MUTEX_NAME).unlink(missing_ok=True)
@@ -281,6 +292,28 @@ class CheckpointLock:
         self.acquire()
 
     # ------------------------------------------------------------------ holding
+    @contextlib.contextmanager
+    def still_held(self, wait_s: float = 2.0) -> Iterator[bool]:
+        """Yield whether the lock is still ours, with the takeover mutex held for the block.
+
+        A commit checks the lock and then moves ``latest``. In quorum mode another replica of the
+        same job may take the lock over (``ensure_held``) and commit a newer step in between; the
+        old holder would then point ``latest`` back at its older step. A takeover needs the mutex,
+        so under it the answer cannot change before the block ends. Yields False when the mutex
+        cannot be had within ``wait_s`` (a contender is taking the lock over right now).
+        """
+        if self._fd is None:  # never taken (a rank that does not manage checkpoints)
+            yield not self.lost()
+            return
+        deadline = time.monotonic() + wait_s
+        while not (mutex := self._lock_mutex()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            yield mutex and not self.lost()
+        finally:
+            if mutex:
+                self._unlock_mutex()
+
     def lost(self) -> bool:
         """True if we took the lock and ``.lock`` is no longer ours (taken over, or removed)."""
         if self._fd is None:

@@ -472,15 +472,27 @@ class Checkpointer:
         return bool(flag.item())
 
     def _write_manifest(self, snap: Snapshot, folder: Path, results: list[ShardResult]) -> bool:
-        if self.lock.lost():
-            log.error(
-                "checkpoint_failed",
-                step=snap.step,
-                rank=self.env.rank,
-                error=f"the lock {self.lock.path} was taken over by another run",
-                detail="not committed: this run no longer owns the checkpoint directory",
-            )
+        with self.lock.still_held() as held:  # no takeover between this check and the move of latest
+            if not held:
+                log.error(
+                    "checkpoint_failed",
+                    step=snap.step,
+                    rank=self.env.rank,
+                    error=f"the lock {self.lock.path} was taken over by another run or replica",
+                    detail="not committed: this process no longer owns the checkpoint directory",
+                )
+                return False
+            manifest = self._commit_manifest(snap, folder, results)
+        if manifest is None:
             return False
+        for stale in folder.glob("shard-*"):  # left by an earlier, failed attempt at this step
+            if stale.name not in manifest.files:
+                stale.unlink(missing_ok=True)
+        self.purger.purge(self.cfg.root, self.cfg.keep_last, protect={folder})
+        return True
+
+    def _commit_manifest(self, snap: Snapshot, folder: Path, results: list[ShardResult]) -> Manifest | None:
+        """Write the manifest and move ``latest``; the manifest, or None (logged) on failure."""
         parent = ""
         if self.parent is not None:
             in_root = self.parent.parent.resolve() == self.cfg.root.resolve()
@@ -516,12 +528,8 @@ class Checkpointer:
                 detail="manifest or latest not written; previous checkpoint kept",
             )
             (folder / MANIFEST).unlink(missing_ok=True)
-            return False
-        for stale in folder.glob("shard-*"):  # left by an earlier, failed attempt at this step
-            if stale.name not in manifest.files:
-                stale.unlink(missing_ok=True)
-        self.purger.purge(self.cfg.root, self.cfg.keep_last, protect={folder})
-        return True
+            return None
+        return manifest
 
     # ------------------------------------------------------------------ load
     def resume(self) -> Loaded | None:

@@ -39,6 +39,7 @@ ends that replica's worker (``commit``), which heals from a peer when its agent 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import socket
 import sys
@@ -84,6 +85,12 @@ class ReplicaConfig:
     # How long ``begin_step`` waits for a quorum; longer than any step. Past it the worker fails.
     quorum_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0  # connecting to the Lighthouse and to a peer's Manager
+    # A quorum request the Lighthouse failed (it died; its agent starts it again on its port) is
+    # sent again after this long, to a new connection, until ``quorum_timeout_s``. torchft's
+    # default is no retry: its Manager server then never answers the waiting workers, which
+    # fail only at the quorum timeout and restart (measured: a Lighthouse restart cost a restart
+    # of every replica).
+    lighthouse_retry_s: float = 0.25
     # Advertised to peers (the state transfer, the group's store): must reach this host from
     # theirs. HOST_VAR overrides the host name (e.g. an address where names do not resolve).
     hostname: str = field(default_factory=lambda: os.environ.get(HOST_VAR) or socket.gethostname())
@@ -101,13 +108,19 @@ class ReplicaConfig:
             raise ValueError(f"replica group {self.replica_group} is negative: number the groups 0, 1, 2, ...")
         if self.name[-1:].isdigit():
             raise ValueError(f"replica name {self.name!r} ends in a digit: torchft would read it as the group index")
-        for what in ("collective_timeout_s", "timeout_s", "quorum_timeout_s", "connect_timeout_s"):
+        timeouts = ("collective_timeout_s", "timeout_s", "quorum_timeout_s", "connect_timeout_s", "lighthouse_retry_s")
+        for what in timeouts:
             if getattr(self, what) <= 0:
                 raise ValueError(f"{what} must be positive, got {getattr(self, what)}")
 
     @property
     def replica_id(self) -> str:
         return f"{self.name}_{self.replica_group}"
+
+    @property
+    def quorum_retries(self) -> int:
+        """torchft's ``quorum_retries``: it waits ``quorum_timeout / (retries + 1)`` between tries."""
+        return max(0, math.ceil(self.quorum_timeout_s / self.lighthouse_retry_s) - 1)
 
 
 @dataclass(frozen=True)
@@ -212,6 +225,7 @@ class Replica:
             timeout=timedelta(seconds=config.timeout_s),
             quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
             connect_timeout=timedelta(seconds=config.connect_timeout_s),
+            quorum_retries=config.quorum_retries,
             rank=group.rank,
             world_size=group.world_size,
             store_addr=store_addr,

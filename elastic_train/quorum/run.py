@@ -140,7 +140,9 @@ def _run(
         startup_s=clock.phases(),
     )
     console, metrics = Console(env), MetricsFile(cfg.log_dir, env)
-    watchdog = StepWatchdog(cfg.hang_timeout, env.rank, marker_dir=cfg.checkpoint_dir)
+    # Every replica is rank 0 of its own world of one: the replica group names its hang marker,
+    # else one replica's marker would overwrite another's.
+    watchdog = StepWatchdog(cfg.hang_timeout, config.replica_group, marker_dir=cfg.checkpoint_dir)
     checkpointer.heartbeat = watchdog.alive
     if preemption.grace is not None:
         preemption.grace.progress = lambda: watchdog.last_progress

@@ -17,7 +17,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -30,7 +30,17 @@ import torch
 from elastic_train.checkpoint.manager import load
 from elastic_train.data.sampler import global_batches
 from elastic_train.metrics import format_digest, index_digest
-from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, final_state, free_port, kill_tagged, read_jsonl
+from tests.helpers import (
+    BIN,
+    ROOT,
+    TOKEN_VAR,
+    base_env,
+    final_state,
+    free_port,
+    kill_tagged,
+    read_jsonl,
+    shared_once,
+)
 
 EPOCHS, STEPS, BATCH, SEED, TRAIN_SAMPLES = 3, 40, 32, 42, 4096  # synthetic: 4096 training images
 RUN = [
@@ -43,6 +53,7 @@ RUN = [
 ]  # fmt: skip
 TOTAL = EPOCHS * STEPS
 WORKER = re.compile(r"replica group (\d+): worker pid (\d+) \(restart (\d+)\)")
+LIGHTHOUSE = re.compile(r"Lighthouse at \S+ \(pid (\d+)\)")
 
 
 @dataclass
@@ -59,6 +70,11 @@ class Node:
     def pid(self, group: int) -> int:
         return [pid for g, pid, _ in self.workers() if g == group][-1]
 
+    def lighthouse_pid(self) -> int:
+        found = LIGHTHOUSE.findall(self.out.read_text())
+        assert found, "the agent did not say where its Lighthouse runs"
+        return int(found[-1])
+
 
 @dataclass
 class Job:
@@ -66,10 +82,11 @@ class Job:
     env: dict[str, str]
     nodes: list[Node] = field(default_factory=list)
 
-    def start(self, *launch: str, name: str = "node0") -> Node:
+    def start(self, *launch: str, name: str = "node0", flags: Sequence[str] = ()) -> Node:
+        """Start an agent with ``launch`` flags; ``flags`` are the trainer's, after ``RUN``."""
         out = self.base / f"{name}.out"
         command = [
-            str(BIN / "python"), "-m", "elastic_train.quorum.launch", *launch, "-m", "elastic_train", *RUN,
+            str(BIN / "python"), "-m", "elastic_train.quorum.launch", *launch, "-m", "elastic_train", *RUN, *flags,
             "--log-dir", str(self.base / "logs"), "--checkpoint-dir", str(self.base / "ckpt"),
         ]  # fmt: skip
         with out.open("wb") as sink:
@@ -117,22 +134,23 @@ def job(tmp_path: Path) -> Iterator[Job]:
         kill_tagged(job.env[TOKEN_VAR])
 
 
-def expected_digest(epoch: int) -> str:
+def expected_digest(epoch: int, steps: int = STEPS) -> str:
     """The digest of epoch ``epoch``'s samples, from the data order alone."""
-    order = global_batches(TRAIN_SAMPLES, BATCH, SEED, epoch, STEPS).reshape(-1)
+    order = global_batches(TRAIN_SAMPLES, BATCH, SEED, epoch, steps).reshape(-1)
     return format_digest(index_digest(order))
 
 
-def assert_exactly_once(base: Path, epochs: int = EPOCHS) -> list[dict[str, Any]]:
+def assert_exactly_once(base: Path, epochs: int = EPOCHS, steps: int = STEPS) -> list[dict[str, Any]]:
     """The final checkpoint: finished at the last step, every epoch's samples exactly once."""
     done = load((base / "ckpt" / "latest").resolve())
     finished = (done.manifest.step, done.manifest.finished)
-    assert done.manifest.finished and done.manifest.step == epochs * STEPS, finished
+    assert done.manifest.finished and done.manifest.step == epochs * steps, finished
     history: list[dict[str, Any]] = done.payload.app["history"]
     assert [r["epoch"] for r in history] == list(range(1, epochs + 1))
     for epoch, record in enumerate(history):
-        assert record["samples_seen"] == STEPS * BATCH, record
-        assert record["sample_digest"] == expected_digest(epoch), f"epoch {epoch + 1}: samples skipped or repeated"
+        assert record["samples_seen"] == steps * BATCH, record
+        repeated = f"epoch {epoch + 1}: samples skipped or repeated"
+        assert record["sample_digest"] == expected_digest(epoch, steps), repeated
     return history
 
 
@@ -152,16 +170,20 @@ def _time(record: dict[str, Any]) -> float:
     return parse_timestamp(record.get("timestamp")) or 0.0
 
 
-@pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    base = tmp_path_factory.mktemp("fault_free")
+def run_fault_free(base: Path) -> None:
+    """The reference: the same job, 2 replicas, no failures."""
     job = Job(base, base_env())
     try:
         node = job.start("--nproc-per-node", "2")
         assert job.wait(node) == 0, job.output()
-        yield base
     finally:
         kill_tagged(job.env[TOKEN_VAR])
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One fault-free run per test session, shared with test_quorum_composes.py."""
+    return shared_once(tmp_path_factory, "quorum-fault-free", run_fault_free)
 
 
 def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every_sample_exactly_once(
@@ -178,6 +200,12 @@ def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every
         os.kill(node.pid(victim), signal.SIGKILL)
         healed = partial(events, job, victim, "healed", kills[-1][1])
         job.until(f"replica {victim} healed", lambda: bool(healed()))  # noqa: B023
+    # The Lighthouse dies too: its agent starts it again on its port, and the replicas' quorum
+    # requests go to the new one (torchft's quorum retries); no worker restarts for it.
+    reached = job.committed_steps(0)
+    os.kill(node.lighthouse_pid(), signal.SIGKILL)
+    job.until("the Lighthouse started again", lambda: "starting it again" in node.out.read_text())
+    job.until("progress past the Lighthouse's death", lambda: job.committed_steps(0) >= reached + 5)
     assert job.wait(node) == 0, job.output()
     history = assert_exactly_once(job.base)
     restarted = [(g, r) for g, _, r in node.workers()]

@@ -4,6 +4,11 @@ between replicas of one job, the agent's command line and exit status, the repli
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_train.checkpoint.lock import CheckpointLock
+from elastic_train.checkpoint.lock import MUTEX_NAME, CheckpointLock
 from elastic_train.config import TrainConfig
 from elastic_train.data.sampler import split_evenly
 from elastic_train.errors import UsageError
@@ -98,6 +103,48 @@ def test_the_lock_passes_between_replicas_of_one_job_and_never_to_another_job(tm
         for lock in (first, second, other):
             lock.release()
     assert not (tmp_path / ".lock").exists()
+
+
+def test_a_former_saver_cannot_move_latest_back_once_another_replica_took_the_lock(tmp_path: Path) -> None:
+    """The old holder's check and its move of ``latest`` are one step for a takeover: a replica
+    that takes the lock meanwhile waits until the block ends, and the old holder's next commit
+    is refused (``still_held`` yields False)."""
+    old, new = CheckpointLock(tmp_path, "job-1", 60), CheckpointLock(tmp_path, "job-1", 60)
+    try:
+        old.ensure_held()
+        took_over = threading.Event()
+        with old.still_held() as held:
+            assert held
+            taker = threading.Thread(target=lambda: (new.ensure_held(), took_over.set()))
+            taker.start()
+            assert not took_over.wait(0.3), "a takeover slipped in between the check and the commit"
+        assert took_over.wait(5), "the takeover never went through after the commit"
+        taker.join()
+        with old.still_held() as held:
+            assert not held  # its pending, older save is not committed
+        with new.still_held() as held:
+            assert held
+    finally:
+        for lock in (old, new):
+            lock.release()
+
+
+def test_a_commit_mutex_left_by_a_killed_process_of_this_host_is_cleared_at_once(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock = CheckpointLock(tmp_path, "job-1", 60)
+    try:
+        lock.ensure_held()
+        (tmp_path / MUTEX_NAME).write_text(f"{lock.host} {int(dead.stdout)}\n")  # killed mid-commit
+        started = time.monotonic()
+        with lock.still_held() as held:
+            assert held and time.monotonic() - started < 1.0
+        (tmp_path / MUTEX_NAME).write_text(f"{lock.host} {os.getppid()}\n")  # alive: a contender's turn
+        with lock.still_held(wait_s=0.2) as held:
+            assert not held
+        assert (tmp_path / MUTEX_NAME).exists()
+    finally:
+        (tmp_path / MUTEX_NAME).unlink(missing_ok=True)
+        lock.release()
 
 
 def test_the_agent_reads_torchrun_style_flags_and_refuses_what_it_cannot_launch() -> None:
