@@ -17,16 +17,16 @@ Every run trains the same samples, so
     goodput = (trained samples / fault-free throughput) / wall time = fault-free wall / soak wall
 
 with walls from the launch command to the process's exit (start-up, the first and last
-checkpoint included), each soak against the fault-free run of its own round (``paired``). The
-reference is the FASTEST mode's fault-free wall (a mode's own overhead counts as lost); goodput
-against the mode's own fault-free run is printed too. Time lost per failure = (soak wall - the
-round's fault-free wall) / kills, medians over the rounds, split from the trainer's event
-logs (see ``split_restart`` and ``split_quorum``). Quorum mode's node loss (one of two agents and
-its worker SIGKILLed, or SIGSTOPped: a frozen node) -> first step at the smaller size is timed
-too. Targets (issue 11): quorum goodput >= 0.95, <= 1 s lost per worker failure, node loss ->
+checkpoint included), each soak against the fault-free run of its own round (``paired``): the
+headline figure, what failures cost a mode. A second figure takes the FASTEST mode's median
+fault-free wall as the reference, so that a mode's own overhead counts as lost too. Time lost
+per failure = (soak wall - the round's fault-free wall) / kills, medians over the rounds, split
+from the trainer's event logs (see ``split_restart`` and ``split_quorum``). Quorum mode's node
+loss (one of two agents and its worker SIGKILLed, or SIGSTOPped: a frozen node) -> first step at
+the smaller size is timed too. Targets (issue 11): quorum goodput >= 0.95, <= 1 s lost per worker failure, node loss ->
 first step <= 3 s.
 
-    python benchmarks/goodput.py [--soaks 3] [--mtbf 30] [--epochs 8] [--json out.json]
+    python benchmarks/goodput.py [--soaks 3] [--mtbf 30] [--epochs 12] [--json out.json]
 """
 
 from __future__ import annotations
@@ -122,7 +122,10 @@ def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int) -> di
     if code != 0:
         raise RuntimeError(f"{mode} run ended with {code}; see {out}:\n{out.read_text()[-3000:]}")
     digests, weights = final_state(base)
-    return {"wall_s": wall, "kills": kills, "base": base, "digests": digests, "weights": weights}
+    # The 1-minute load when the run ended: this run alone keeps ~2 of the 2 cores busy; far
+    # more means other work shared the machine and its walls measure that too.
+    load = os.getloadavg()[0]
+    return {"wall_s": wall, "kills": kills, "base": base, "digests": digests, "weights": weights, "load_1min": load}
 
 
 def final_state(base: Path) -> tuple[list[tuple[int, str]], dict[str, Any]]:
@@ -253,12 +256,13 @@ def node_loss(stop: bool) -> float:
 
 def paired(ff_walls: list[float], soak_walls: list[float], kills: list[int], best_ff: float) -> dict[str, Any]:
     """Each soak against the fault-free run of its own round (run just before it): the machine's
-    drift between rounds (fault-free walls here varied by 20% in one quiet hour) cancels. A
+    drift between rounds (fault-free walls here varied by 20% in one loaded hour) cancels. A
     mode's goodput against the fastest mode's fault-free wall also charges its own overhead:
-    the round's goodput times own median fault-free / fastest median fault-free."""
+    the round's goodput times fastest median fault-free / own median fault-free. A round whose
+    soak saw no kill has no time lost per failure (it is left out of that median)."""
     own = statistics.median(ff_walls)
     vs_own = [f / w for f, w in zip(ff_walls, soak_walls, strict=True)]
-    lost = [(w - f) / max(k, 1) for f, w, k in zip(ff_walls, soak_walls, kills, strict=True)]
+    lost = [(w - f) / k for f, w, k in zip(ff_walls, soak_walls, kills, strict=True) if k > 0]
     runs = [g * best_ff / own for g in vs_own]
     return {
         "fault_free_wall_s": own,  # the median of the fault-free runs
@@ -268,7 +272,7 @@ def paired(ff_walls: list[float], soak_walls: list[float], kills: list[int], bes
         "goodput": statistics.median(runs),
         "goodput_runs": runs,
         "goodput_vs_own": statistics.median(vs_own),
-        "lost_per_failure_s": statistics.median(lost),
+        "lost_per_failure_s": statistics.median(lost) if lost else float("nan"),
         "lost_per_failure_runs_s": lost,
         # A soak faster than its own round's fault-free run: noise exceeded what the kills cost.
         "noisy_rounds": sum(w < f for f, w in zip(ff_walls, soak_walls, strict=True)),
@@ -302,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--soaks", type=int, default=3)
     parser.add_argument("--mtbf", type=float, default=30.0)
-    parser.add_argument("--epochs", type=int, default=8, help="~14 s each on 2 CPU workers")
+    parser.add_argument("--epochs", type=int, default=12, help="~9 s each on 2 CPU workers")
     parser.add_argument("--node-loss-repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", type=Path, default=None)
@@ -337,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "mtbf_s": args.mtbf,
             "epochs": args.epochs,
             "reference": min(modes, key=lambda m: ff[m]["wall_s"]),
+            "load_1min_max": max(r["load_1min"] for m in modes for r in runs[m] + soaks[m]),
         }
         if "quorum" in modes and args.node_loss_repeats:
             kill = [node_loss(stop=False) for _ in range(args.node_loss_repeats)]
@@ -356,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         nl = result["quorum_node_loss_s"]
         killed, frozen = statistics.median(nl["kill"]), statistics.median(nl["stop"])
         print(f"quorum node loss -> first step: killed {killed:.2f} s, frozen {frozen:.2f} s")
+    result["load_average"] = list(os.getloadavg())
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
 

@@ -73,7 +73,10 @@ TTL_MARGIN_S = 180.0  # restart of a frozen holder's job after its watchdog fire
 NO_WATCHDOG_TTL_S = 900.0  # --hang-timeout 0: nothing bounds a freeze; 15 minutes
 MUTEX_NAME = ".lock.takeover"
 MUTEX_STALE_S = 30.0  # the mutex is held for milliseconds; older means its contender died
-ACQUIRE_TIMEOUT_S = 10.0  # contenders that keep taking turns give up after this
+# Contenders that keep taking turns give up after this. Longer than MUTEX_STALE_S: a mutex left
+# by a holder on another host that froze or died in those milliseconds (a node lost mid-commit)
+# is cleared before a starting replica or rank gives up on the directory (exit 2 would be final).
+ACQUIRE_TIMEOUT_S = MUTEX_STALE_S + 10.0
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS}
 
 
@@ -97,6 +100,16 @@ def lock_ttl(hang_timeout: float) -> float:
     if override is not None:
         return override
     return hang_timeout + TTL_MARGIN_S if hang_timeout > 0 else NO_WATCHDOG_TTL_S
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (its inode), or "" where /proc does not tell: processes of
+    one host name in other namespaces (containers with the host's network and name) cannot be
+    judged alive or dead from here."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -125,16 +138,30 @@ class CheckpointLock:
         self.owner = owner
         self.ttl = ttl_s  # written into the lock: others judge our heartbeat by it
         self.host = socket.gethostname()
+        self.pid_namespace = _pid_namespace()
         self._fd: int | None = None
-        self._inode = -1
+        self._inode = -1  # the lock file's inode once taken (kept after a release: it was held)
+        self._mutex: str | None = None  # what our takeover mutex says, while we hold it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost_logged = False
 
     # ------------------------------------------------------------------ reading
     def _record(self) -> bytes:
-        record = {"owner": self.owner, "host": self.host, "pid": os.getpid(), "ttl": self.ttl, "since": time.time()}
+        record = {
+            "owner": self.owner,
+            "host": self.host,
+            "pidns": self.pid_namespace,
+            "pid": os.getpid(),
+            "ttl": self.ttl,
+            "since": time.time(),
+        }
         return json.dumps(record).encode()
+
+    def _local(self, host: object, pid_namespace: object) -> bool:
+        """Whether a process recorded as (host, PID namespace) is one this process can see. A
+        record without a namespace (written before it was recorded) is judged by its host."""
+        return host == self.host and pid_namespace in (None, self.pid_namespace)
 
     def inspect(self) -> Holder | None:
         """The current lock, or None if there is none."""
@@ -157,7 +184,7 @@ class CheckpointLock:
         ttl = ttl_override() or float(record.get("ttl") or self.ttl)
         if held.age > ttl:
             return None
-        if record.get("host") == self.host and not _pid_alive(int(record.get("pid", -1))):
+        if self._local(record.get("host"), record.get("pidns")) and not _pid_alive(int(record.get("pid", -1))):
             return None
         who = f"run {record.get('owner')!r} (host {record.get('host')}, pid {record.get('pid')})" if record else "a run"
         return (
@@ -263,20 +290,33 @@ class CheckpointLock:
                     log.warning("checkpoint_lock_mutex_cleared", path=str(mutex))
                     _remove_if(mutex, st.st_ino, st.st_mtime_ns)
             return False
-        os.write(fd, f"{self.host} {os.getpid()}\n".encode())
-        os.close(fd)
+        # Who holds it (judged by ``_mutex_holder_died``) and a token of this hold (``_unlock_mutex``).
+        record = f"{self.host} {self.pid_namespace or '-'} {os.getpid()} {uuid.uuid4().hex}\n"
+        try:
+            os.write(fd, record.encode())
+        finally:
+            os.close(fd)
+        self._mutex = record
         return True
 
     def _mutex_holder_died(self, mutex: Path) -> bool:
         """True if the mutex names a process of this host that no longer exists."""
         try:
-            host, pid = mutex.read_text().split()
-            return host == self.host and int(pid) != os.getpid() and not _pid_alive(int(pid))
+            host, namespace, pid = mutex.read_text().split()[:3]
+            local = self._local(host, "" if namespace == "-" else namespace)
+            return local and int(pid) != os.getpid() and not _pid_alive(int(pid))
         except (OSError, ValueError):
-            return False  # being written, or damaged: judged by its age alone
+            return False  # being written, damaged or of an older build: judged by its age alone
 
     def _unlock_mutex(self) -> None:
-        self.path.with_name(MUTEX_NAME).unlink(missing_ok=True)
+        """Remove our mutex, and only ours: one cleared as stale (a holder silent for
+        MUTEX_STALE_S, e.g. on a stalled filesystem) may be a contender's by now."""
+        mine, self._mutex = self._mutex, None
+        mutex = self.path.with_name(MUTEX_NAME)
+        with contextlib.suppress(FileNotFoundError):
+            # By its token, not its inode (a new file may reuse a freed one) or mtime (NFS).
+            if mine is not None and mutex.read_text() == mine:
+                mutex.unlink()
 
     def ensure_held(self) -> None:
         """Hold the lock now: keep it if it is still ours, else take it (again).
@@ -302,8 +342,8 @@ class CheckpointLock:
         so under it the answer cannot change before the block ends. Yields False when the mutex
         cannot be had within ``wait_s`` (a contender is taking the lock over right now).
         """
-        if self._fd is None:  # never taken (a rank that does not manage checkpoints)
-            yield not self.lost()
+        if self._fd is None:  # never taken (a lock-less caller) is no fence; released or lost is
+            yield self._inode == -1
             return
         deadline = time.monotonic() + wait_s
         while not (mutex := self._lock_mutex()) and time.monotonic() < deadline:

@@ -258,6 +258,19 @@ class Checkpointer:
         return self._pending is None or self._pending[2].done()
 
     # ------------------------------------------------------------------ save
+    def take_lock(self) -> None:
+        """Hold the directory lock for the next save, for a saver that changes with the
+        membership (quorum mode: participant 0 of the step saves, whichever replica that is).
+
+        A save still pending is committed first, under the lock it was started with: if another
+        replica of the job took the lock over meanwhile and committed newer steps, that commit
+        is refused. Taking the lock back first would let this older save through and move
+        ``latest`` back. Raises ``UsageError`` when another job holds the directory.
+        """
+        if self._pending is not None:
+            self.commit_pending()
+        self.lock.ensure_held()
+
     def save(self, snap: Snapshot, sync: bool) -> bool | None:
         """Start a save (committing the previous one first). Collective: every rank calls it at
         the same step boundary; rank 0 decides where it goes (``SaveTarget``).

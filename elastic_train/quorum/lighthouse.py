@@ -43,7 +43,9 @@ class LighthouseConfig:
     # timeout the next quorum forms the moment any other replica asks, leaving out the slowest
     # one again. Measured with 3 replicas on 2 cores at 100 ms: every quorum had 2 members and
     # one replica healed at every step. Dead replicas are not waited for (no heartbeat for
-    # heartbeat_timeout_ms); a restarted one heartbeats only from just before it asks.
+    # heartbeat_timeout_ms); a restarted one heartbeats only from just before it asks. With two
+    # replicas it never applies: one of two is not a majority, so the survivor's quorum waits
+    # for the dead one's heartbeat to expire, or for the replacement's request, either way.
     join_timeout_ms: int = 1000
     quorum_tick_ms: int = 20  # how often a pending quorum is re-evaluated
 

@@ -86,10 +86,11 @@ class ReplicaConfig:
     quorum_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0  # connecting to the Lighthouse and to a peer's Manager
     # A quorum request the Lighthouse failed (it died; its agent starts it again on its port) is
-    # sent again after this long, to a new connection, until ``quorum_timeout_s``. torchft's
+    # sent again after this long (torchft floors it at 0.1 s), to a new connection. torchft's
     # default is no retry: its Manager server then never answers the waiting workers, which
     # fail only at the quorum timeout and restart (measured: a Lighthouse restart cost a restart
-    # of every replica).
+    # of every replica). A request that hangs (a frozen or unreachable Lighthouse) is not helped:
+    # each try may wait the whole quorum timeout; the worker's own wait is bounded by it.
     lighthouse_retry_s: float = 0.25
     # Advertised to peers (the state transfer, the group's store): must reach this host from
     # theirs. HOST_VAR overrides the host name (e.g. an address where names do not resolve).
@@ -119,7 +120,8 @@ class ReplicaConfig:
 
     @property
     def quorum_retries(self) -> int:
-        """torchft's ``quorum_retries``: it waits ``quorum_timeout / (retries + 1)`` between tries."""
+        """torchft's ``quorum_retries``: after a failed try it sleeps ``quorum_timeout / (retries + 1)``
+        (at least 0.1 s) and tries again; each try may take the whole quorum timeout."""
         return max(0, math.ceil(self.quorum_timeout_s / self.lighthouse_retry_s) - 1)
 
 

@@ -472,7 +472,7 @@ class QuorumTrainer:
 
     def _save(self, step: int, sync: bool) -> bool | None:
         try:
-            self.checkpointer.lock.ensure_held()
+            self.checkpointer.take_lock()  # judges an older pending save before taking the lock back
         except (UsageError, OSError) as exc:
             log.error("checkpoint_failed", step=step, error=str(exc), detail="could not take the directory lock")
             return False

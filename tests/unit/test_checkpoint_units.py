@@ -422,6 +422,12 @@ def test_a_crashed_runs_lock_does_not_block_forever(tmp_path: Path) -> None:
     plant_lock(tmp_path, age_s=0, content=json.dumps({"owner": "job-dead", "host": lock.host, "pid": 2**22 + 7}))
     lock.acquire()
     lock.release()
+    # The same host name, but another PID namespace (a container on the host's network): that
+    # pid means nothing here, so the lock is held until its heartbeat is older than its TTL.
+    alien = {"owner": "job-alien", "host": lock.host, "pidns": "1", "pid": 2**22 + 7}
+    plant_lock(tmp_path, age_s=0, content=json.dumps(alien))
+    with pytest.raises(UsageError, match="in use by run 'job-alien'"):
+        lock.acquire()
 
 
 def test_a_fresh_lock_that_cannot_be_read_counts_as_held_until_it_is_stale(tmp_path: Path) -> None:
@@ -553,6 +559,34 @@ def snap(step: int, epoch: int, batch: int, finished: bool = False) -> Snapshot:
 
 def names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+
+
+@pytest.mark.usefixtures("group")
+def test_a_saver_that_lost_the_lock_to_a_peer_never_commits_its_older_pending_save(tmp_path: Path) -> None:
+    """Quorum mode: replica A's background save of step 2 is still pending when replica B (same
+    job, same timeline) takes the lock over and commits step 4. When A saves again, it takes the
+    lock back only after its pending save was judged under the lock it lost: refused, so
+    ``latest`` never goes back from B's step 4 to A's step 2."""
+    a = checkpointer(tmp_path)
+    b = Checkpointer(CheckpointConfig(root=tmp_path, keep_last=10), DistEnv(run_id="unit"), FINGERPRINT)
+    try:
+        a.take_lock()
+        assert a.save(snap(2, 0, 2), sync=False) is None
+        while not a.local_done():
+            time.sleep(0.01)
+        b.timeline = a.timeline  # replicated between replicas, healed with the weights
+        b.take_lock()  # the same job's lock: taken over from A
+        assert b.save(snap(4, 0, 4), sync=True) is True
+        with capture_logs() as logs:
+            a.take_lock()
+        assert any(e["event"] == "checkpoint_failed" and e.get("step") == 2 for e in logs), logs
+        assert fmt.latest_target(tmp_path) == tmp_path / fmt.step_dir_name(4)
+        assert not (tmp_path / fmt.step_dir_name(2) / fmt.MANIFEST).exists(), "the older save was committed"
+        assert a.save(snap(6, 0, 6), sync=True) is True  # A holds the lock again
+        assert fmt.latest_target(tmp_path) == tmp_path / fmt.step_dir_name(6)
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.usefixtures("group")

@@ -132,19 +132,53 @@ def test_a_former_saver_cannot_move_latest_back_once_another_replica_took_the_lo
 def test_a_commit_mutex_left_by_a_killed_process_of_this_host_is_cleared_at_once(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     lock = CheckpointLock(tmp_path, "job-1", 60)
+    namespace = lock.pid_namespace or "-"
     try:
         lock.ensure_held()
-        (tmp_path / MUTEX_NAME).write_text(f"{lock.host} {int(dead.stdout)}\n")  # killed mid-commit
+        (tmp_path / MUTEX_NAME).write_text(f"{lock.host} {namespace} {int(dead.stdout)}\n")  # killed mid-commit
         started = time.monotonic()
         with lock.still_held() as held:
             assert held and time.monotonic() - started < 1.0
-        (tmp_path / MUTEX_NAME).write_text(f"{lock.host} {os.getppid()}\n")  # alive: a contender's turn
+        (tmp_path / MUTEX_NAME).write_text(f"{lock.host} {namespace} {os.getppid()}\n")  # alive: a contender's turn
         with lock.still_held(wait_s=0.2) as held:
             assert not held
         assert (tmp_path / MUTEX_NAME).exists()
+        # The same host name in another PID namespace (a container on the host's network): its
+        # pid cannot be judged from here, so only the mutex's age clears it.
+        (tmp_path / MUTEX_NAME).write_text(f"{lock.host} 1 {int(dead.stdout)}\n")
+        with lock.still_held(wait_s=0.2) as held:
+            assert not held
     finally:
         (tmp_path / MUTEX_NAME).unlink(missing_ok=True)
         lock.release()
+
+
+def test_a_commit_never_removes_a_mutex_that_is_no_longer_its_own(tmp_path: Path) -> None:
+    """A holder whose mutex was cleared as stale (it stalled for MUTEX_STALE_S) and taken by a
+    contender leaves the contender's in place when it finishes."""
+    lock = CheckpointLock(tmp_path, "job-1", 60)
+    try:
+        lock.ensure_held()
+        with lock.still_held() as held:
+            assert held
+            (tmp_path / MUTEX_NAME).unlink()  # cleared as stale by another process...
+            (tmp_path / MUTEX_NAME).write_text("elsewhere - 1\n")  # ...which holds its own now
+        assert (tmp_path / MUTEX_NAME).read_text() == "elsewhere - 1\n"
+    finally:
+        (tmp_path / MUTEX_NAME).unlink(missing_ok=True)
+        lock.release()
+
+
+def test_a_lock_released_or_not_taken_back_is_no_licence_to_commit(tmp_path: Path) -> None:
+    """``ensure_held`` releases a lost lock before taking it again; when taking it fails, the
+    replica holds nothing and a pending save's commit must be refused, not let through."""
+    lock = CheckpointLock(tmp_path, "job-1", 60)
+    with lock.still_held() as held:
+        assert held  # never taken: a caller without a lock is not fenced by it
+    lock.ensure_held()
+    lock.release()
+    with lock.still_held() as held:
+        assert not held
 
 
 def test_the_agent_reads_torchrun_style_flags_and_refuses_what_it_cannot_launch() -> None:
