@@ -176,3 +176,22 @@ def test_batchnorm_statistics_count_each_committed_step_once_across_a_kill(tmp_p
     for name, value in state.items():
         if name.endswith(("running_mean", "running_var")):
             assert bool(value.isfinite().all()), name
+
+
+def test_mixed_precision_in_quorum_mode_survives_a_kill_and_keeps_samples_exactly_once(tmp_path: Path) -> None:
+    """``--amp`` (bf16 autocast on the CPU; on a GPU bf16, or fp16 with a loss scaler whose state
+    is replicated like the optimizer's): a replica killed inside an attempt heals and the run
+    still trains every sample of every epoch once."""
+    epochs, steps = 1, 20  # the survivor has steps left to train when the replacement asks to join
+    job = Job(tmp_path, {**base_env(), FAULTS: "kill:rank=1:step=4"})
+    try:
+        node = job.start(
+            "--nproc-per-node", "2", flags=["--amp", "--epochs", str(epochs), "--max-steps-per-epoch", str(steps)]
+        )
+        assert job.wait(node) == 0, job.output()
+    finally:
+        kill_tagged(job.env[TOKEN_VAR])
+    assert "precision: bf16" in node.out.read_text(), job.output()
+    assert [r for g, _, r in node.workers() if g == 1] == [0, 1], job.output()
+    assert events(job, 1, "healed"), f"the killed replica did not heal\n{job.output()}"
+    assert_exactly_once(tmp_path, epochs, steps)
