@@ -40,6 +40,23 @@ def _median_after_warmup(values: list[float]) -> float:
     return statistics.median(values[1:] if len(values) > 1 else values)
 
 
+# Runs that exited non-zero and were launched again (the command's last stderr lines): a crash
+# of a launch is not what this measures, but it is reported, never hidden.
+FAILED_RUNS: list[str] = []
+
+
+def _launch(cmd: list[str], what: str) -> str:
+    """Run ``cmd``; its stdout. A failed run is printed and run once more."""
+    for attempt in (1, 2):
+        done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+        if done.returncode == 0:
+            return done.stdout
+        tail = " | ".join(done.stderr.strip().splitlines()[-6:])
+        FAILED_RUNS.append(f"{what} exited {done.returncode}: {tail}")
+        print(f"run failed (attempt {attempt}, exit {done.returncode}): {tail}", flush=True)
+    raise RuntimeError(f"{' '.join(cmd)} failed twice; see the lines above")
+
+
 def bare(epochs: int, steps: int, batch: int) -> float:
     cmd = [
         *TORCHRUN,
@@ -51,7 +68,7 @@ def bare(epochs: int, steps: int, batch: int) -> float:
         "--batch-size",
         str(batch),
     ]
-    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, check=True, timeout=600).stdout
+    out = _launch(cmd, "bare DDP")
     return _median_after_warmup([json.loads(line)["throughput"] for line in out.splitlines() if line.startswith("{")])
 
 
@@ -76,7 +93,7 @@ def ours(epochs: int, steps: int, batch: int) -> float:
             "--checkpoint-dir",
             str(Path(logs, "ckpt")),
         ]
-        subprocess.run(cmd, env=_env(), capture_output=True, text=True, check=True, timeout=600)
+        _launch(cmd, "elastic-train")
         lines = Path(logs, "metrics.jsonl").read_text().splitlines()
         return _median_after_warmup([json.loads(line)["throughput"] for line in lines])
 
@@ -150,6 +167,7 @@ def main() -> None:
         "seconds": time.monotonic() - started,
         # Other work on the machine shows here (this benchmark alone keeps about 2 cores busy).
         "load_average": list(os.getloadavg()),
+        "failed_runs": FAILED_RUNS,
         "method": method(args),
     }
     shown = f"[{interval[0]:.3f}, {interval[1]:.3f}] (coverage {interval[2]:.3f})" if interval else "none (< 6 pairs)"

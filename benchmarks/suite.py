@@ -98,6 +98,14 @@ def load_note(data: dict[str, Any]) -> str:
     )
 
 
+def failed_note(data: dict[str, Any]) -> str:
+    """Runs that crashed and were launched again (overhead.py), each with its last stderr lines."""
+    failed = data.get("failed_runs") or []
+    if not failed:
+        return ""
+    return f"{len(failed)} run(s) exited non-zero and were run again: " + "; ".join(f"`{f}`" for f in failed) + "."
+
+
 def overhead_section(o: dict[str, Any]) -> str:
     """The training-overhead section, from overhead.py's JSON."""
     pairs = ", ".join(f"{x:.3f}" for x in o["pair_ratios"])
@@ -142,7 +150,7 @@ saves). Method: {o.get("method", "median of alternated pairs")}.
 | --- | --- | --- | --- | --- | --- |
 {rows}
 
-The paired ratios, in run order: {pairs}. {meaning} {load_note(o)}
+The paired ratios, in run order: {pairs}. {meaning} {load_note(o)} {failed_note(o)}
 
 The per-step extras are a few device-side sums (no host sync), an index digest on the CPU, and
 the step-boundary agreement (stop requested? save due? shards durable?): a MAX all-reduce of
