@@ -19,12 +19,17 @@ Rank 0 of a run holds ``<checkpoint-dir>/.lock`` (JSON: owner = the job id, host
   a publisher can only fill an empty slot. Under it the contender checks that ``.lock`` is
   still the very file it judged stale (inode and mtime: the holder did not beat meanwhile),
   renames it to a unique name and removes it; then it publishes its own as above. A mutex
-  older than ``MUTEX_STALE_S`` (its contender died within those milliseconds) is cleared the
-  same rename-and-check way. Without the mutex, two contenders that both judged the old lock
-  stale could each rename away what the other had just published.
-* **Fencing.** The holder checks at every heartbeat and before every manifest commit
-  (``lost``) that ``.lock`` is still its own inode: a run whose lock was taken over (it was
-  silent for longer than its TTL) logs ``checkpoint_lock_lost`` and stops committing.
+  older than ``MUTEX_STALE_S`` (its holder froze or died within those milliseconds), or one
+  whose holder is a process of this host (and PID namespace) that no longer exists, is cleared
+  the same rename-and-check way; a holder removes it only while it still carries its own
+  token. Acquiring waits longer than ``MUTEX_STALE_S``, so a mutex left by a lost node never
+  turns into a refusal. Without the mutex, two contenders that both judged the old lock stale
+  could each rename away what the other had just published.
+* **Fencing.** The holder checks at every heartbeat that ``.lock`` is still its own inode
+  (``lost``), and every commit checks it and moves ``latest`` with the mutex held
+  (``still_held``), so no takeover falls in between: a run whose lock was taken over (it was
+  silent for longer than its TTL, or, in quorum mode, another replica of the job saves now)
+  logs an error and stops committing.
 
 NFS and cluster filesystems: link(), rename() and O_EXCL creation are atomic on the server for
 NFSv3 and v4 (O_EXCL was not on NFSv2; link always was), and on Lustre, GPFS and CephFS.
@@ -299,6 +304,15 @@ class CheckpointLock:
         self._mutex = record
         return True
 
+    def _wait_mutex(self, wait_s: float) -> bool:
+        """Take the mutex, waiting up to ``wait_s`` for a contender's turn to end; False if not."""
+        deadline = time.monotonic() + wait_s
+        while not self._lock_mutex():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def _mutex_holder_died(self, mutex: Path) -> bool:
         """True if the mutex names a process of this host that no longer exists."""
         try:
@@ -345,9 +359,7 @@ class CheckpointLock:
         if self._fd is None:  # never taken (a lock-less caller) is no fence; released or lost is
             yield self._inode == -1
             return
-        deadline = time.monotonic() + wait_s
-        while not (mutex := self._lock_mutex()) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        mutex = self._wait_mutex(wait_s)
         try:
             yield mutex and not self.lost()
         finally:
@@ -390,9 +402,7 @@ class CheckpointLock:
             return
         fd, self._fd = self._fd, None
         os.close(fd)
-        deadline = time.monotonic() + 2.0
-        while not (mutex := self._lock_mutex()) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        mutex = self._wait_mutex(2.0)
         try:
             with contextlib.suppress(FileNotFoundError):
                 st = os.stat(self.path)
