@@ -488,6 +488,29 @@ def test_a_takeover_backs_off_when_the_holder_beats_in_between(tmp_path: Path) -
     assert [p.name for p in tmp_path.iterdir()] == [".lock"]
 
 
+def test_a_mutex_left_by_a_node_that_froze_mid_commit_delays_a_restart_but_never_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder on another host SIGSTOPped (or cut off) while it committed leaves a fresh mutex
+    that no pid check can clear: a replica of the same job that starts meanwhile waits until the
+    mutex is stale and then takes its job's lock, instead of giving up (exit 2, final)."""
+    assert lock_module.ACQUIRE_TIMEOUT_S > lock_module.MUTEX_STALE_S, "a stale mutex would refuse the directory"
+    monkeypatch.setattr(lock_module, "MUTEX_STALE_S", 0.6)  # scaled down: 30 s in production
+    monkeypatch.setattr(lock_module, "ACQUIRE_TIMEOUT_S", 0.6 + 10.0)
+    frozen = {"owner": "job-1", "host": "elsewhere", "pidns": "1", "pid": 1, "ttl": TTL}
+    plant_lock(tmp_path, age_s=1, content=json.dumps(frozen))
+    (tmp_path / lock_module.MUTEX_NAME).write_text("elsewhere 1 1 token-of-the-frozen-commit\n")
+    lock = CheckpointLock(tmp_path, owner="job-1", ttl_s=TTL)
+    started = time.monotonic()
+    lock.acquire()  # the same job: taken over once the mutex is stale
+    waited = time.monotonic() - started
+    try:
+        assert waited >= 0.4, f"the frozen holder's mutex was not respected ({waited:.2f} s)"
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
 def test_a_takeover_mutex_left_by_a_crashed_contender_is_cleared(tmp_path: Path) -> None:
     plant_lock(tmp_path, age_s=TTL + 5)
     mutex = tmp_path / lock_module.MUTEX_NAME
