@@ -14,16 +14,24 @@ See docs/checkpoint-format.md.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
 import os
 import re
+import stat
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import structlog
 import xxhash
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
+from elastic_train.errors import UsageError
 
 FORMAT = "elastic-train-checkpoint"
 # 2: `timeline` and `parent`; 3: the typed `payload` replaces the free-form `trainer` dict.
@@ -37,6 +45,50 @@ STEP_DIR = re.compile(r"^step-(\d{8})(?:-v([2-9]|[1-9]\d+))?$")
 ASIDE_DIR = re.compile(r"^(step-\d{8}(?:-v\d+)?)\.(corrupt|abandoned)-(.+)$")
 CORRUPT = "corrupt"  # failed verification when a run fell back to an older checkpoint
 ABANDONED = "abandoned"  # newer than the checkpoint a run resumed from: a future that run discarded
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+# "Cannot read now": the errors a network or cluster filesystem returns while the file may be
+# fine: an I/O error reported by a soft NFS mount or a Lustre/GPFS client (EIO, EREMOTEIO), a
+# file handle made stale by a server failover (ESTALE: a fresh open looks the path up again), a
+# timeout or a broken link to the server (ETIMEDOUT, ENOLINK, ECOMM, ENOTCONN for a FUSE mount
+# whose daemon restarts, the connection errors of CIFS and object-store mounts), and "try again"
+# (EAGAIN, EINTR). These are retried. Any other OSError (EACCES, EPERM, EMFILE, EISDIR, ...) is
+# not retried: waiting will not change it, but it is no proof of damage either, so it is
+# ``CheckpointUnreadable`` too. Only content that was read and found wrong (a checksum, a size,
+# the JSON, a missing file) is ``CheckpointInvalid``: proof of damage.
+TRANSIENT_READ_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EIO",
+        "ESTALE",
+        "ETIMEDOUT",
+        "EAGAIN",
+        "EINTR",
+        "ENOLINK",
+        "EREMOTEIO",
+        "ECOMM",
+        "ENOTCONN",
+        "ECONNRESET",
+        "ECONNABORTED",
+        "ECONNREFUSED",
+        "EHOSTDOWN",
+        "EHOSTUNREACH",
+        "ENETDOWN",
+        "ENETUNREACH",
+        "ENETRESET",
+    )
+    if hasattr(errno, name)  # ENOLINK, EREMOTEIO and ECOMM are Linux names
+)
+READ_RETRY_VAR = "ELASTIC_TRAIN_READ_RETRY_S"
+# How long one read of a checkpoint file (its manifest, a shard's checksum pass, a shard's load)
+# is retried after a transient error before the run refuses to start (exit 2). Long enough for an
+# NFS server failover or a remount; the run waits at start, before any training step.
+READ_RETRY_S = 60.0
+# Jittered exponential waits between tries (about 0.5, 1, 2, 4, 8, 8 ... s): peers that hit the
+# same hiccup do not retry in lockstep. A module attribute so that tests can shorten it.
+READ_RETRY_WAIT = wait_random_exponential(multiplier=0.5, max=8.0)
 
 
 def step_dir_name(step: int, version: int = 1) -> str:
@@ -74,8 +126,64 @@ class CheckpointTooNew(CheckpointInvalid):
 
 
 class CheckpointUnreadable(CheckpointInvalid):
-    """The storage failed while reading (EIO, ESTALE, EMFILE, ...): the content may be fine.
-    Not trusted for this load, but never moved aside as corrupt: it may read fine next time."""
+    """The storage failed while reading (EIO, ESTALE, EACCES, ...; transient errors were retried
+    first, see ``TRANSIENT_READ_ERRNOS``): the content may be fine. Never fallen back past, never
+    moved aside: a run refuses to start instead (it may read fine next time)."""
+
+
+def transient_read_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says "cannot read now" (worth retrying), see ``TRANSIENT_READ_ERRNOS``."""
+    return isinstance(exc, OSError) and exc.errno in TRANSIENT_READ_ERRNOS
+
+
+def read_retry_s() -> float:
+    """``ELASTIC_TRAIN_READ_RETRY_S`` if set (0: one try), else ``READ_RETRY_S``."""
+    raw = os.environ.get(READ_RETRY_VAR, "").strip()
+    if not raw:
+        return READ_RETRY_S
+    try:
+        budget = float(raw)
+    except ValueError:
+        budget = -1.0
+    if not budget >= 0:  # raised before any read: nothing is judged under a bad setting
+        raise UsageError(
+            f"{READ_RETRY_VAR}={raw!r} is not a number of seconds >= 0", f"unset {READ_RETRY_VAR}, or set e.g. 60"
+        )
+    return budget
+
+
+def read_retrying(path: Path, read: Callable[[], T]) -> T:
+    """``read()`` (idempotent: it only reads ``path``), retried on transient errors with jittered
+    waits for up to ``read_retry_s()`` seconds. ``FileNotFoundError`` passes through (a missing
+    file is the caller's verdict); any other ``OSError`` left becomes ``CheckpointUnreadable``
+    naming ``path``, the error, and how long it was tried."""
+    attempts = 0
+    started = time.monotonic()
+
+    def attempt() -> T:
+        nonlocal attempts
+        attempts += 1
+        return read()
+
+    def before_sleep(state: Any) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.warning("checkpoint_read_retry", path=str(path), attempt=state.attempt_number, error=repr(exc))
+
+    retrying = Retrying(
+        retry=retry_if_exception(transient_read_error),
+        stop=stop_after_delay(read_retry_s()),
+        wait=READ_RETRY_WAIT,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        return retrying(attempt)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno or 0, "no errno")
+        tried = f"{attempts} tries over {time.monotonic() - started:.1f}s" if attempts > 1 else "not retried"
+        raise CheckpointUnreadable(f"{path}: cannot be read ({code}: {exc.strerror or exc}; {tried})") from None
 
 
 @dataclass(frozen=True)
@@ -225,34 +333,67 @@ def file_digests(path: Path, sha256: bool) -> tuple[int, str, str]:
 
 def check_entry(path: Path, entry: FileEntry, sha256: bool = False) -> None:
     """Raise ``CheckpointInvalid`` naming ``path`` unless size and checksums match the manifest
-    (``CheckpointUnreadable`` when the storage fails while reading)."""
-    if not path.is_file():
-        raise CheckpointInvalid(f"{path} is missing")
+    (``CheckpointUnreadable`` when the storage fails while reading, after retrying)."""
+
+    def read() -> tuple[int, str, str]:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointInvalid(f"{path} is not a file")
+        if st.st_size != entry.size:
+            return st.st_size, "", ""  # judged below without hashing
+        return file_digests(path, sha256)
+
     try:
-        size = path.stat().st_size
-        if size != entry.size:
-            raise CheckpointInvalid(f"{path} has {size} bytes, the manifest says {entry.size} (truncated?)")
-        _, fast, slow = file_digests(path, sha256)
-    except OSError as exc:
-        raise CheckpointUnreadable(f"{path}: cannot be read ({exc})") from None
+        size, fast, slow = read_retrying(path, read)
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{path} is missing") from None
+    if size != entry.size:
+        raise CheckpointInvalid(f"{path} has {size} bytes, the manifest says {entry.size} (truncated?)")
     if fast != entry.xxh3:
         raise CheckpointInvalid(f"{path}: checksum mismatch (xxh3), the file is corrupt")
     if sha256 and slow != entry.sha256:
         raise CheckpointInvalid(f"{path}: sha256 mismatch, the file is corrupt")
 
 
-def read_manifest(folder: Path) -> Manifest:
+def read_manifest(folder: Path, retry: bool = True) -> Manifest:
+    """The manifest of ``folder``. ``retry=False`` tries once (a caller that must not stall,
+    e.g. a save deciding where to go while peers wait)."""
     path = folder / MANIFEST
     try:
-        text = path.read_text()
+        text = read_retrying(path, path.read_text) if retry else _read_once(path)
     except FileNotFoundError:
         raise CheckpointInvalid(f"{path} is missing (an incomplete save)") from None
-    except OSError as exc:
-        raise CheckpointUnreadable(f"{path}: cannot be read ({exc})") from None
     manifest = Manifest.from_json(text, path)
     if step_of(folder) not in (None, manifest.step):
         raise CheckpointInvalid(f"{path}: step {manifest.step} does not match the folder name")
     return manifest
+
+
+def _read_once(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        code = errno.errorcode.get(exc.errno or 0, "no errno")
+        raise CheckpointUnreadable(f"{path}: cannot be read ({code}: {exc.strerror or exc}; not retried)") from None
+
+
+def has_manifest(folder: Path) -> bool:
+    """Whether ``folder`` is committed (its manifest exists). Unlike ``Path.exists``, a storage
+    error is not taken for "no": it is retried, then raised as ``CheckpointUnreadable``."""
+
+    def look() -> bool:
+        try:
+            os.stat(folder / MANIFEST)
+        except NotADirectoryError:
+            return False
+        return True
+
+    try:
+        return read_retrying(folder / MANIFEST, look)
+    except FileNotFoundError:
+        return False
 
 
 def verify(folder: Path, sha256: bool = False) -> Manifest:

@@ -82,6 +82,10 @@ MUTEX_STALE_S = 30.0  # the mutex is held for milliseconds; older means its cont
 # by a holder on another host that froze or died in those milliseconds (a node lost mid-commit)
 # is cleared before a starting replica or rank gives up on the directory (exit 2 would be final).
 ACQUIRE_TIMEOUT_S = MUTEX_STALE_S + 10.0
+# How long ``release`` waits for the heartbeat thread to stop. A beat is one futimens and one stat:
+# milliseconds, unless the mount is wedged (a hard NFS mount whose server is gone blocks them
+# for as long as it is gone). Past this bound the process must still be able to exit.
+RELEASE_JOIN_S = 10.0
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS}
 
 
@@ -387,17 +391,34 @@ class CheckpointLock:
                             detail="another run took the directory over; this run no longer commits checkpoints",
                         )
                     continue
-                assert self._fd is not None
-                os.utime(self._fd)
+                fd = self._fd
+                if fd is None:  # released while this beat was blocked in ``lost``
+                    return
+                os.utime(fd)
             except OSError as exc:
                 log.error("checkpoint_lock_heartbeat_failed", error=repr(exc))
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lock if it is still ours."""
+        """Stop the heartbeat and remove the lock if it is still ours.
+
+        Never hangs on a wedged mount: when the heartbeat thread does not stop within
+        ``RELEASE_JOIN_S`` (it is blocked in the filesystem), the lock is left in place and its
+        descriptor open (closing it, like removing the lock, would block the same way). Logged;
+        the lock goes stale after its TTL, and this job takes its own lock back at once."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(RELEASE_JOIN_S)
+            if thread.is_alive():
+                fd, self._fd = self._fd, None
+                log.error(
+                    "checkpoint_lock_heartbeat_stuck",
+                    path=str(self.path),
+                    waited_s=RELEASE_JOIN_S,
+                    fd=fd,
+                    detail="the storage does not answer; the lock is left in place and goes stale after its TTL",
+                )
+                return
         if self._fd is None:
             return
         fd, self._fd = self._fd, None

@@ -48,6 +48,7 @@ from elastic_train.checkpoint.format import (
     ABANDONED,
     CORRUPT,
     MANIFEST,
+    READ_RETRY_VAR,
     CheckpointInvalid,
     CheckpointTooNew,
     CheckpointUnreadable,
@@ -56,6 +57,7 @@ from elastic_train.checkpoint.format import (
     Payload,
     check_json,
     checkpoint_key,
+    has_manifest,
     latest_target,
     read_manifest,
     shard_name,
@@ -326,7 +328,8 @@ class Checkpointer:
             if not committed(folder):
                 continue
             try:
-                manifest = read_manifest(folder)
+                # One try: peers wait in a collective meanwhile; unreadable is skipped (not moved).
+                manifest = read_manifest(folder, retry=False)
             except CheckpointInvalid as exc:
                 log.error("checkpoint_invalid", path=str(folder), error=str(exc))
                 # A storage hiccup is no proof of damage, nor is a newer build's format.
@@ -498,11 +501,27 @@ class Checkpointer:
             manifest = self._commit_manifest(snap, folder, results)
         if manifest is None:
             return False
-        for stale in folder.glob("shard-*"):  # left by an earlier, failed attempt at this step
-            if stale.name not in manifest.files:
-                stale.unlink(missing_ok=True)
-        self.purger.purge(self.cfg.root, self.cfg.keep_last, protect={folder})
+        self._clean_up(snap.step, folder, manifest)
         return True
+
+    def _clean_up(self, step: int, folder: Path, manifest: Manifest) -> None:
+        """Rank 0, after a commit: remove shards of an earlier failed attempt at this step (not
+        in the manifest, so never loaded) and old checkpoints. Best effort: the commit already
+        happened, and an error raised here would skip the verdict's broadcast that every other
+        rank waits in. Logged instead; retention runs again at the next commit."""
+        try:
+            for stale in folder.glob("shard-*"):
+                if stale.name not in manifest.files:
+                    stale.unlink(missing_ok=True)
+            self.purger.purge(self.cfg.root, self.cfg.keep_last, protect={folder})
+        except Exception as exc:  # any failure, storage or not: never one rank's exception
+            log.error(
+                "checkpoint_cleanup_failed",
+                step=step,
+                path=str(folder),
+                error=repr(exc),
+                detail="the checkpoint is committed; clean-up is retried at the next commit",
+            )
 
     def _commit_manifest(self, snap: Snapshot, folder: Path, results: list[ShardResult]) -> Manifest | None:
         """Write the manifest and move ``latest``; the manifest, or None (logged) on failure."""
@@ -667,7 +686,10 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
         log.error("checkpoint_invalid", path=str(root / "latest"), error=problems[-1])
     # Newest first. `latest` normally names the first of these; after a crash between a
     # manifest and the `latest` move, a newer committed checkpoint exists and wins.
-    done = [f for f in step_folders(root) if (f / MANIFEST).exists()]
+    try:
+        done = [f for f in step_folders(root) if has_manifest(f)]
+    except CheckpointUnreadable as exc:
+        raise _unreadable(root, exc) from None
     for folder in done:
         try:
             manifest = verify(folder)
@@ -675,10 +697,13 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
             # Falling back past it would silently lose its progress, and an older build would
             # later move it aside as corrupt: refuse the run instead.
             raise UsageError(str(exc)) from None
-        except CheckpointInvalid as exc:
+        except CheckpointUnreadable as exc:
+            # Retried already. Falling back past it would settle an older timeline and move this
+            # (possibly intact) checkpoint aside as an abandoned future: refuse instead.
+            raise _unreadable(folder, exc) from None
+        except CheckpointInvalid as exc:  # read fine and found damaged: moved aside once loaded
             problems.append(str(exc))
-            if not isinstance(exc, CheckpointUnreadable):  # only proven damage is moved aside later
-                invalid.append(folder)
+            invalid.append(folder)
             log.error("checkpoint_invalid", path=str(folder), error=str(exc))
             continue
         if latest is None or folder.resolve() != latest.resolve():
@@ -691,6 +716,17 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
             "repair or move them away, point --checkpoint-dir elsewhere, or pass --resume never to start fresh",
         )
     return Selection(None)
+
+
+def _unreadable(folder: Path, exc: CheckpointUnreadable) -> UsageError:
+    """The refusal for a checkpoint the storage would not give back (``exc`` names the file)."""
+    return UsageError(
+        f"{exc}; the checkpoint may be intact, so this run neither falls back to an older one "
+        "nor moves it aside, and nothing in the checkpoint directory was changed",
+        f"check the storage (mount, server, permissions) and run again ({READ_RETRY_VAR} sets how long "
+        f"reads are retried); if {folder} is damaged for good, move it out of the checkpoint directory "
+        "or pass --resume with an older checkpoint folder",
+    )
 
 
 def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, Any]) -> None:

@@ -13,15 +13,17 @@ slower, cryptographic check that ``python -m elastic_train.ckpt verify`` runs.)
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
-from elastic_train.checkpoint.format import CheckpointInvalid, FileEntry, check_entry
+from elastic_train.checkpoint.format import CheckpointInvalid, FileEntry, check_entry, read_retrying
 from elastic_train.checkpoint.storage import atomic_file, io_retry
 
 _DTYPES = {
@@ -95,17 +97,37 @@ def write_shard(
     return out.entry()
 
 
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file``, whose OSErrors carry the errno only in their text
+    ("... (os error 5)"): given it back, so that a transient one is retried like any read."""
+    try:
+        return safetensors.torch.load_file(str(path))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        found = re.search(r"os error (\d+)", str(exc))
+        if exc.errno is None and found:
+            raise OSError(int(found.group(1)), str(exc)) from exc
+        raise
+
+
 def read_shards(folder: Path, files: dict[str, FileEntry]) -> dict[str, torch.Tensor]:
-    """Every tensor of ``folder``'s shards, each file verified (size, xxh3) in parallel."""
+    """Every tensor of ``folder``'s shards, each file verified (size, xxh3) in parallel. A
+    storage error is retried (``read_retrying``), then raised as ``CheckpointUnreadable``."""
     tensors: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
         checks = [pool.submit(check_entry, folder / name, entry) for name, entry in files.items()]
         try:
             for name in files:
+                path = folder / name
                 try:
-                    tensors.update(safetensors.torch.load_file(str(folder / name)))
+                    tensors.update(read_retrying(path, partial(_load_file, path)))
+                except FileNotFoundError:
+                    raise CheckpointInvalid(f"{path} is missing") from None
+                except CheckpointInvalid:
+                    raise
                 except Exception as exc:  # any parse failure means a bad file
-                    raise CheckpointInvalid(f"{folder / name}: unreadable safetensors ({exc})") from None
+                    raise CheckpointInvalid(f"{path}: unreadable safetensors ({exc})") from None
         finally:
             for check in checks:
                 check.result()  # re-raises CheckpointInvalid with the file name
