@@ -9,6 +9,8 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
   notice would; the trainer stops at the next step boundary the ranks agree on.
 * ``kill_in_save`` (``:stage=before_shard|after_shard|after_manifest``) / ``enospc``: fired by
   the checkpoint writer's save hooks (``CheckpointFaults``, passed to ``Checkpointer(hooks=)``).
+* ``slow_save`` (``:seconds=N``): the writer thread sleeps N seconds before this rank's shard of
+  step S's save (a large shard on slow storage); the rank's main thread waits, beating, meanwhile.
 
 A fault fires once per run, across restarts: before firing it leaves a marker file in the
 marker directory (beside the run's persistent state), and a marked fault never fires again.
@@ -31,7 +33,7 @@ from elastic_train.errors import UsageError
 
 ENV_VAR = "ELASTIC_TRAIN_FAULTS"
 STEP_KINDS = ("kill", "hang", "raise", "preempt")
-SAVE_KINDS = ("kill_in_save", "enospc")
+SAVE_KINDS = ("kill_in_save", "enospc", "slow_save")
 KINDS = STEP_KINDS + SAVE_KINDS
 HINT = f"write e.g. {ENV_VAR}='kill:rank=1:step=7,raise:rank=0:step=3:always'"
 
@@ -78,7 +80,18 @@ def _parse_one(text: str) -> Fault:
         raise UsageError(f"{ENV_VAR}: rank and step must be integers in {text!r}", HINT) from None
     if rank < 0 or step < 1:
         raise UsageError(f"{ENV_VAR}: need rank >= 0 and step >= 1 in {text!r}", HINT)
+    if kind == "slow_save":
+        _check_seconds(values.get("seconds"), text)
     return Fault(kind, rank, step, always, values)
+
+
+def _check_seconds(value: str | None, text: str) -> None:
+    try:
+        seconds = float(value) if value is not None else -1.0
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise UsageError(f"{ENV_VAR}: slow_save needs seconds=<a positive number> in {text!r}", HINT)
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -119,12 +132,16 @@ class FaultInjector:
 
     def fires(self, kind: str, step: int, **params: str) -> bool:
         """For hooks elsewhere (checkpoint writer): does a ``kind`` fault fire at ``step``?"""
+        return self.firing(kind, step, **params) is not None
+
+    def firing(self, kind: str, step: int, **params: str) -> Fault | None:
+        """``fires``, returning the fault that fires (its other parameters say how), or None."""
         for fault in self.faults:
             due = fault.kind == kind and fault.step == step
             if due and all(fault.params.get(k) == v for k, v in params.items()) and self._claim(fault):
                 log.warning("fault_injected", kind=kind, step=step, **params)
-                return True
-        return False
+                return fault
+        return None
 
     def at_step(self, step: int) -> None:
         """Fire any kill/hang/raise/preempt fault due at the start of ``step``."""
@@ -145,14 +162,18 @@ class FaultInjector:
 
 
 class CheckpointFaults:
-    """The ``kill_in_save`` and ``enospc`` faults as the checkpoint writer's save hooks
-    (``checkpoint.manager.SaveHooks``): a SIGKILL of this process at a stage of the save, or a
-    full disk just before a shard is renamed into place."""
+    """The ``kill_in_save``, ``enospc`` and ``slow_save`` faults as the checkpoint writer's save
+    hooks (``checkpoint.manager.SaveHooks``): a SIGKILL of this process at a stage of the save, a
+    full disk just before a shard is renamed into place, or a shard that takes long to write."""
 
     def __init__(self, injector: FaultInjector) -> None:
         self.injector = injector
 
     def on_save(self, stage: str, step: int, path: Path) -> None:
+        if stage == "before_shard":
+            slow = self.injector.firing("slow_save", step)
+            if slow is not None:
+                time.sleep(float(slow.params["seconds"]))  # the writer thread: a peer waits in the commit
         if stage == "before_rename":
             if self.injector.fires("enospc", step):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -34,6 +34,7 @@ from elastic_train.outcome import (
 )
 from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
 from elastic_train.resilience.orphan import ParentWatch
+from elastic_train.resilience.peer_progress import job_store
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopGrace, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.startup import StartupClock
@@ -209,6 +210,8 @@ def _train_in_group(
             _announce_resume(console, loaded, cfg)
             del loaded
         watchdog.start()
+        if preemption.grace is not None:
+            preemption.grace.share_progress(job_store())  # a rank waiting for a progressing peer is not ended
         try:
             summary = trainer.fit()
             preemption.acknowledge()  # the final checkpoint is committed: a late signal changes nothing
@@ -216,6 +219,8 @@ def _train_in_group(
             return _exit_preempted(cfg, env, console, preemption, exc)
         finally:
             watchdog.stop()
+            if preemption.grace is not None:
+                preemption.grace.stop_sharing()  # before the store goes away with the process group
             trainer.close()
             del trainer  # the DDP wrapper holds the process group: drop it before the teardown
     finally:

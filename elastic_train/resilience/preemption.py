@@ -22,17 +22,21 @@ interpreter. A rank blocked inside a collective (a dead NCCL peer, a frozen host
 in an all-reduce that never returns) never runs it, and the launcher would wait its whole
 shutdown timeout for SIGKILL, on every restart. ``StopGrace`` therefore watches the signals from
 a thread (CPython's C-level handler writes each signal number to a wakeup fd at once, whatever
-the main thread is doing): a rank that has neither reached an agreed stop boundary nor made any
-progress (a step, an evaluation batch, a checkpoint write) for ``--stop-grace`` seconds after the
-first signal logs ``stop_grace_expired`` and exits with
-``ExitCode.STOP_GRACE_EXPIRED`` (77). Nothing is lost: the last committed checkpoint stays
-``latest``. Keep the grace above two step times (the boundary agreement runs one step behind)
-and well inside the launcher's shutdown timeout (torchrun: 30 s by default).
+the main thread is doing): a rank that has not reached an agreed stop boundary within
+``--stop-grace`` seconds after the first signal, or after the latest progress *of any rank* (a
+step, an evaluation batch, a checkpoint write), logs ``stop_grace_expired`` and exits with
+``ExitCode.STOP_GRACE_EXPIRED`` (77). Any rank's: a rank waiting in a collective for a healthy,
+slower peer (rank 0 writing a large shard) must not end the job's stop; the ranks' progress
+reaches the grace thread through the job's c10d store (``peer_progress.py`` says why there).
+Nothing is lost: the last committed checkpoint stays ``latest``. Keep the grace above two step
+times (the boundary agreement runs one step behind), above ~3 s (a peer's progress takes that
+long to arrive) and well inside the launcher's shutdown timeout (torchrun: 30 s by default).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -49,6 +53,7 @@ from elastic_train.outcome import (
     ExitCode,
     RestartCause,
 )
+from elastic_train.resilience.peer_progress import CounterStore, PeerProgress, interval_for
 
 log = structlog.get_logger(__name__)
 
@@ -97,7 +102,7 @@ class StopGrace:
     Works while the main thread is blocked in C++ (a collective, a CUDA sync): the signal number
     reaches a socket through ``signal.set_wakeup_fd``, written by CPython's C-level handler, and a
     daemon thread reads it. ``exit_fn`` is ``os._exit`` (the main thread cannot be interrupted);
-    tests pass their own.
+    tests pass their own. ``share_progress`` adds the other ranks' progress to this rank's.
     """
 
     def __init__(self, grace_s: float, rank: int, exit_fn: Callable[[int], Any] = os._exit) -> None:
@@ -109,6 +114,9 @@ class StopGrace:
         # grace counts from the later of the signal and that progress: a rank that evaluates or
         # saves for longer than the grace is not ended, one blocked in a collective is.
         self.progress: Callable[[], float] | None = None
+        # The other ranks' progress (``share_progress``): a rank waiting in a collective for a
+        # peer that progresses is not ended either; only one that waits for nobody is.
+        self.peers: PeerProgress | None = None
         self._disarmed = threading.Event()
         self._closed = threading.Event()
         self._sockets: tuple[socket.socket, socket.socket] | None = None
@@ -126,6 +134,23 @@ class StopGrace:
         _forget_wakeup_fd_in_children()
         self._thread = threading.Thread(target=self._watch, name="stop-grace", daemon=True)
         self._thread.start()
+
+    def share_progress(self, store: CounterStore | None) -> None:
+        """Publish this rank's progress to ``store`` (``peer_progress.job_store()``: None for a
+        world of one) and count the other ranks' in the grace, until ``stop_sharing``."""
+        if self.grace_s <= 0 or store is None or self.peers is not None:
+            return
+        self.peers = PeerProgress(store, self._own_progress, interval_for(self.grace_s))
+        self.peers.start()
+
+    def stop_sharing(self) -> None:
+        """Before the store goes away (the process group's teardown): own progress only."""
+        peers, self.peers = self.peers, None
+        if peers is not None:
+            peers.close()
+
+    def _own_progress(self) -> float:
+        return self.progress() if self.progress is not None else -math.inf
 
     def disarm(self) -> None:
         """The ranks agreed on a stop boundary: the stop proceeds at its own pace."""
@@ -165,11 +190,21 @@ class StopGrace:
         if signum is None:
             return
         received = time.monotonic()
+        peers = self.peers
+        if peers is not None:
+            peers.watch()
+        extended = False
         while True:
-            last = max(received, self.progress() if self.progress is not None else received)
-            left = last + self.grace_s - time.monotonic()
+            own = max(received, self._own_progress())
+            last = max(own, peers.last_seen() if peers is not None else -math.inf)
+            now = time.monotonic()
+            left = last + self.grace_s - now
             if left <= 0:
                 break
+            if not extended and now > own + self.grace_s:  # only the peers' progress keeps it alive
+                extended = True
+                log.warning("stop_grace_extended", rank=self.rank, by="peers", grace_s=self.grace_s)
+            # Progress only moves the deadline later: sleeping until the earliest one is enough.
             if self._disarmed.wait(left) or self._closed.is_set():
                 return
         log.error(
@@ -178,7 +213,8 @@ class StopGrace:
             signal=signal.Signals(signum).name,
             grace_s=self.grace_s,
             exit_code=int(ExitCode.STOP_GRACE_EXPIRED),
-            detail="no agreed step boundary in time (blocked in a collective?); the last committed checkpoint is kept",
+            detail="no rank progressed and no agreed step boundary came in time (blocked in a collective on a"
+            " frozen or dead peer?); the last committed checkpoint is kept",
         )
         self._exit(ExitCode.STOP_GRACE_EXPIRED)
 

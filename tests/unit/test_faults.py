@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train import faults as faults_module
 from elastic_train.errors import UsageError
-from elastic_train.faults import Fault, FaultInjector, InjectedFault, parse_faults
+from elastic_train.faults import CheckpointFaults, Fault, FaultInjector, InjectedFault, parse_faults
 
 
 def test_grammar() -> None:
@@ -19,7 +20,18 @@ def test_grammar() -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ["explode:rank=0:step=1", "kill:rank=0", "kill:rank=a:step=1", "kill:step=0:rank=0", "kill:rank"]
+    "spec",
+    [
+        "explode:rank=0:step=1",
+        "kill:rank=0",
+        "kill:rank=a:step=1",
+        "kill:step=0:rank=0",
+        "kill:rank",
+        "slow_save:rank=0:step=4",
+        "slow_save:rank=0:step=4:seconds=0",
+        "slow_save:rank=0:step=4:seconds=soon",
+        "slow_save:rank=0:step=4:seconds=inf",
+    ],
 )
 def test_bad_specs_are_usage_errors(spec: str) -> None:
     with pytest.raises(UsageError, match="ELASTIC_TRAIN_FAULTS"):
@@ -51,3 +63,19 @@ def test_hooks_elsewhere_match_on_parameters(tmp_path: Path) -> None:
     assert not injector.fires("enospc", 4, stage="manifest")
     assert injector.fires("enospc", 4, stage="shard")
     assert not injector.fires("enospc", 4, stage="shard")
+
+
+def test_slow_save_sleeps_in_the_writer_before_that_steps_shard_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(faults_module.time, "sleep", slept.append)
+    hooks = CheckpointFaults(FaultInjector(parse_faults("slow_save:rank=0:step=4:seconds=2.5"), 0, tmp_path))
+    shard = tmp_path / "step-4" / "shard-0-of-2.safetensors"
+    hooks.on_save("before_shard", 3, shard)
+    hooks.on_save("after_shard", 4, shard)
+    assert slept == []
+    hooks.on_save("before_shard", 4, shard)
+    assert slept == [2.5]
+    hooks.on_save("before_shard", 4, shard)  # once per run, like every fault
+    assert slept == [2.5]
