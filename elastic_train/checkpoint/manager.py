@@ -673,6 +673,8 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
         target = latest_target(folder) or folder
         try:
             manifest = verify(target)
+        except CheckpointUnreadable as exc:
+            raise _unreadable(target, exc) from None
         except CheckpointInvalid as exc:
             raise UsageError(f"--resume {mode}: {exc}", "pass a valid checkpoint folder, or --resume auto") from None
         check_compatible(target, manifest, fingerprint)

@@ -28,7 +28,7 @@ from elastic_train.checkpoint.lock import CheckpointLock
 from elastic_train.checkpoint.manager import load
 from elastic_train.checkpoint.storage import Purger
 from elastic_train.errors import UsageError
-from tests.unit.test_checkpoint_units import checkpointer, make_checkpoint, snap
+from tests.unit.test_checkpoint_units import checkpointer, choose, make_checkpoint, snap
 
 
 @pytest.fixture(autouse=True)
@@ -115,6 +115,16 @@ def test_a_read_error_that_persists_refuses_the_run_naming_the_file_and_changes_
     assert "Fix:" in message and "storage" in message, message
     assert failing.calls >= 2, "retried before refusing"
     assert snapshot(tmp_path) == before, "an unreadable checkpoint is neither fallen back past nor moved aside"
+
+
+def test_resume_path_to_an_unreadable_checkpoint_is_refused_as_unreadable_not_as_invalid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = make_checkpoint(tmp_path, 1)
+    inject(monkeypatch, folder, "shard", errno.ESTALE, times=10**9)
+    with pytest.raises(UsageError, match="ESTALE") as info:
+        choose(tmp_path, str(folder))
+    assert "cannot be read" in str(info.value) and "check the storage" in str(info.value)
 
 
 def test_a_shard_whose_load_fails_once_with_an_io_error_is_read_again(
