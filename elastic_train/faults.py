@@ -7,6 +7,12 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
 * ``raise``: raise ``InjectedFault`` at the start of step S.
 * ``preempt``: send this process SIGUSR1 at the start of step S, as a scheduler's preemption
   notice would; the trainer stops at the next step boundary the ranks agree on.
+* ``hold`` (``:until=NAME[:then=NAME2]``): block at the start of step S until the file NAME
+  appears in the marker directory (a busy rank, released by another's ``release``); with
+  ``then``, write NAME2 just before this process next asks for a quorum (quorum mode).
+* ``release`` (``:file=NAME[:until=NAME2]``): write the file NAME at the start of step S; with
+  ``until``, wait for NAME2 just before this process next asks for a quorum. A hold and a
+  release order two replicas' quorum requests exactly, without guessing at timings.
 * ``kill_in_save`` (``:stage=before_shard|after_shard|after_manifest``) / ``enospc``: fired by
   the checkpoint writer's save hooks (``CheckpointFaults``, passed to ``Checkpointer(hooks=)``).
 * ``slow_save`` (``:seconds=N``): the writer thread sleeps N seconds before this rank's shard of
@@ -32,7 +38,9 @@ import structlog
 from elastic_train.errors import UsageError
 
 ENV_VAR = "ELASTIC_TRAIN_FAULTS"
-STEP_KINDS = ("kill", "hang", "raise", "preempt")
+STEP_KINDS = ("kill", "hang", "raise", "preempt", "hold", "release")
+HANDSHAKE_TIMEOUT_S = 300.0  # a hold or release waits this long for its file, then raises
+HANDSHAKE_SETTLE_S = 0.2  # after a release's wait: the other process's next call is under way
 SAVE_KINDS = ("kill_in_save", "enospc", "slow_save")
 KINDS = STEP_KINDS + SAVE_KINDS
 HINT = f"write e.g. {ENV_VAR}='kill:rank=1:step=7,raise:rank=0:step=3:always'"
@@ -82,6 +90,9 @@ def _parse_one(text: str) -> Fault:
         raise UsageError(f"{ENV_VAR}: need rank >= 0 and step >= 1 in {text!r}", HINT)
     if kind == "slow_save":
         _check_seconds(values.get("seconds"), text)
+    needs = {"hold": "until", "release": "file"}.get(kind)
+    if needs is not None and not values.get(needs):
+        raise UsageError(f"{ENV_VAR}: {kind} needs {needs}=<file name> in {text!r}", HINT)
     return Fault(kind, rank, step, always, values)
 
 
@@ -104,6 +115,7 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int, marker_dir: Path) -> None:
         self.faults = [f for f in faults if f.rank == rank]
         self.marker_dir = marker_dir
+        self._at_quorum: list[tuple[str, str]] = []  # ("write"|"wait", file) before the next quorum
 
     @classmethod
     def from_environ(cls, rank: int, marker_dir: Path) -> FaultInjector:
@@ -157,8 +169,44 @@ class FaultInjector:
                     time.sleep(3600)
             elif kind == "preempt":
                 os.kill(os.getpid(), signal.SIGUSR1)
+            elif kind in ("hold", "release"):
+                self._handshake(kind, step)
             else:
                 raise InjectedFault(f"injected fault: raise at step {step}")
+
+    def _handshake(self, kind: str, step: int) -> None:
+        fault = next(f for f in self.faults if f.kind == kind and f.step == step)
+        if kind == "release":
+            self._touch(fault.params["file"])
+            if "until" in fault.params:
+                self._at_quorum.append(("wait", fault.params["until"]))
+            return
+        self._wait_for(fault.params["until"], f"injected hold at step {step}")
+        if "then" in fault.params:
+            self._at_quorum.append(("write", fault.params["then"]))
+
+    def before_quorum(self) -> None:
+        """Quorum mode, just before this process asks for a quorum: what a ``hold`` or a
+        ``release`` armed. A release's wait ends a moment after the file appears, so that the
+        process that wrote it has asked first."""
+        while self._at_quorum:
+            action, name = self._at_quorum.pop(0)
+            if action == "write":
+                self._touch(name)
+            else:
+                self._wait_for(name, "injected release")
+                time.sleep(HANDSHAKE_SETTLE_S)
+
+    def _wait_for(self, name: str, what: str) -> None:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        while not (self.marker_dir / name).exists():
+            if time.monotonic() > deadline:
+                raise InjectedFault(f"{what}: {name} never appeared in {self.marker_dir}")
+            time.sleep(0.01)
+
+    def _touch(self, name: str) -> None:
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        (self.marker_dir / name).write_text(f"{time.time()}\n")
 
 
 class CheckpointFaults:

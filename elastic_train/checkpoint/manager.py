@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import safetensors
 import structlog
@@ -85,6 +85,7 @@ from elastic_train.errors import UsageError
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_EVERY_S = 1.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,10 @@ class Selection:
     folder: Path | None
     manifest: Manifest | None = None
     invalid: tuple[Path, ...] = ()
+
+
+class NewerCommitted(Exception):
+    """A checkpoint newer than the one being resumed was committed meanwhile (``keep_newer``)."""
 
 
 def new_timeline() -> str:
@@ -375,9 +380,30 @@ class Checkpointer:
         except OSError as exc:
             log.error("checkpoint_move_aside_failed", path=str(folder), reason=reason, error=repr(exc))
 
+    def guard(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Own the staging contract for ``module`` and ``optimizer``: every in-place change the
+        loop or anyone else makes to them (an optimizer step, a ``load_state_dict``, e.g. a
+        quorum heal applied by torchft from its own thread of control) first waits until a
+        running async save has copied them. Without it a heal that lands while the writer
+        copies commits a checkpoint holding two steps' weights under valid checksums.
+        State outside these two (a task's extra state) goes through ``guarded``."""
+        module.register_load_state_dict_pre_hook(lambda *_: self.wait_staged())  # type: ignore[no-untyped-call]
+        optimizer.register_load_state_dict_pre_hook(lambda *_: self.wait_staged())
+        optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+
+    def guarded(self, load: Callable[[T], None]) -> Callable[[T], None]:
+        """``load`` that first waits for a running async save's copies (see ``guard``)."""
+
+        def wait_then_load(state: T) -> None:
+            self.wait_staged()
+            load(state)
+
+        return wait_then_load
+
     def wait_staged(self) -> None:
         """Block until the running async save has copied its tensors. Call before the optimizer
-        step (or anything else) changes the state being saved."""
+        step (or anything else) changes the state being saved (``guard`` does it for the model
+        and optimizer)."""
         if self._staged is not None:
             while not self._staged.wait(HEARTBEAT_EVERY_S):
                 if self.heartbeat is not None:
@@ -603,6 +629,27 @@ class Checkpointer:
         self._agree_timeline()
         return loaded
 
+    def adopt_loaded(self, loaded: Loaded, timeline: str) -> None:
+        """Continue from a checkpoint another replica of this job chose and settled (quorum
+        mode: one settler, under the lock), on its ``timeline``. Nothing on disk changes."""
+        self.parent = loaded.folder
+        self.last_committed_step = loaded.manifest.step
+        self.timeline = timeline
+
+    def settle(self, selection: Selection, keep_newer: bool) -> str:
+        """Quorum mode's one settler (a world of one holding the lock), once ``selection`` is
+        loaded: what ``resume`` does on rank 0 after every rank loaded. ``keep_newer``: a
+        committed checkpoint newer than the chosen one is never moved aside (it can only be
+        another replica's of this job, committed while this one loaded); ``NewerCommitted``
+        is raised instead, before anything but proven-corrupt folders moved, and the caller
+        chooses again.
+        Returns the timeline, which this checkpointer now continues."""
+        self.timeline = self._settle(selection, keep_newer)
+        if selection.folder is not None and selection.manifest is not None:
+            self.parent = selection.folder
+            self.last_committed_step = selection.manifest.step
+        return self.timeline
+
     def _agree_timeline(self) -> None:
         """Collective: rank 0 settles the directory and the timeline; every rank takes it."""
         timeline = ""
@@ -613,13 +660,15 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=0, group=self.group)
         self.timeline = box[0]
 
-    def _settle(self, selection: Selection) -> str:
+    def _settle(self, selection: Selection, keep_newer: bool = False) -> str:
         """Rank 0, after every rank loaded ``selection``: move aside what fallback found corrupt
-        and any committed future newer than the loaded checkpoint; return this run's timeline."""
+        and any committed future newer than the loaded checkpoint; return this run's timeline.
+        ``keep_newer``: raise ``NewerCommitted`` instead of moving a newer committed future aside
+        (what fallback proved corrupt is still moved aside first)."""
         chosen, manifest = selection.folder, selection.manifest
         if chosen is None or manifest is None:
             return new_timeline()  # a fresh start: the directory holds no committed checkpoint
-        for bad in selection.invalid:
+        for bad in selection.invalid:  # proven damage only (never a folder that could not be read)
             self._set_aside(bad, CORRUPT)
         root = self.cfg.root
         in_root = chosen.parent.resolve() == root.resolve()
@@ -628,6 +677,8 @@ class Checkpointer:
         newer = [f for f in step_folders(root) if committed(f) and (checkpoint_key(f) or key) > key]
         if not in_root:
             newer += [f for f in step_folders(root) if committed(f) and checkpoint_key(f) == key]
+        if newer and keep_newer:
+            raise NewerCommitted(f"{[f.name for f in newer]} committed while {chosen.name} was being loaded")
         timeline = manifest.timeline or new_timeline()  # a version-1 manifest has none
         if newer:
             timeline = new_timeline()

@@ -354,6 +354,11 @@ class Replica:
         try:
             apply()
         except BaseException:
+    def refuse(self, reason: str) -> None:
+        """Make this attempt's commit vote fail (the participants disagree on something the
+        attempt relies on); the rest of its collectives are skipped."""
+        self.manager.report_error(RuntimeError(f"attempt refused: {reason}"))
+
             traceback.print_exc()
             print(
                 f"replica {self.config.replica_id}: failed after committing step {self.committed_steps - 1}; "

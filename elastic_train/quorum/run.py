@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -30,7 +31,7 @@ from elastic_train.outcome import ExitCode, stop_marker, write_marker
 from elastic_train.quorum import warm
 from elastic_train.quorum.names import GROUPS_VAR
 from elastic_train.quorum.replica import Replica, ReplicaConfig
-from elastic_train.quorum.trainer import QuorumTrainer
+from elastic_train.quorum.trainer import QuorumTrainer, Rejoin
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.startup import StartupClock
@@ -157,8 +158,13 @@ def _run(
     trainer.register(replica)
     watchdog.start()
     try:
-        summary = trainer.fit(replica, checkpointer.resume)
+        summary = trainer.fit(replica)
         preemption.acknowledge()
+    except Rejoin as exc:
+        # Exit so that the agent restarts this worker: it heals from the quorum's live replicas.
+        print(f"[{config.replica_id}] leaving the quorum to heal from a live peer: {exc}", file=sys.stderr, flush=True)
+        log.error("rejoin", code=int(ExitCode.QUORUM_STATE_UNSAFE), reason=str(exc))
+        return ExitCode.QUORUM_STATE_UNSAFE
     except Preempted as exc:
         code = exc.kind.exit_code
         if exc.committed:
@@ -191,5 +197,7 @@ def _run(
         restarts=accounting.restarts,
         lost_s=accounting.lost_s,
         recomputed_steps=accounting.recomputed_steps,
+        step=trainer.train_step,
+        weights_sha256=trainer.weights_sha256(),
     )
     return ExitCode.OK

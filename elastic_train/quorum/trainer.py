@@ -35,11 +35,13 @@ mid-save leaves an uncommitted folder that the next save cleans up, never a comm
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +50,8 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from elastic_train.checkpoint.manager import Checkpointer, Loaded
+from elastic_train.checkpoint.format import CheckpointInvalid, checkpoint_key, latest_target, step_dir_name
+from elastic_train.checkpoint.manager import Checkpointer, Loaded, NewerCommitted, choose_checkpoint, load
 from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
 from elastic_train.config import TrainConfig
 from elastic_train.data import Indexed
@@ -60,6 +63,17 @@ from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, file_only
 from elastic_train.metrics import EpochRecord, MetricSums, Totals, format_digest, index_digest
 from elastic_train.precision import choose_precision
+from elastic_train.quorum.agreement import (
+    LineChoice,
+    QuorumPosition,
+    check,
+    decode,
+    empty_block,
+    expected_commits,
+    mint_lineage,
+    position_block,
+    timeline_key,
+)
 from elastic_train.quorum.replica import Replica, StepAttempt
 from elastic_train.quorum.schedule import QuorumSchedule
 from elastic_train.resilience.goodput import Accounting
@@ -88,6 +102,11 @@ CORRECT, LOSS_SUM, SAMPLES, STOP, SAVE, DIGEST = 0, 1, 2, 3, 4, 5
 STATS = DIGEST + 4
 MAX_DISCARDS = 20  # attempts in a row before a worker gives up (see ``fit``)
 PROGRESS_EVERY = 5  # committed steps between "committed" log events (each replica's progress)
+
+
+class Rejoin(RuntimeError):
+    """This replica's state must not go on: the worker exits with ``QUORUM_STATE_UNSAFE`` so
+    that its agent restarts it, and the restarted worker heals from a live peer."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +139,10 @@ class QuorumProgress:
     failures: int = 0
     lost_s: float = 0.0
     discarded: int = 0
+    # The line of training this state belongs to (``agreement.mint_lineage``): minted when a
+    # quorum starts from a checkpoint or from the seed, taken over with a heal. Two replicas at
+    # the same position on different lines hold different weights and must not average.
+    lineage: int = 0
 
     def accounting(self) -> Accounting:
         return Accounting(
@@ -207,6 +230,8 @@ class QuorumTrainer:
             else build_schedule(cfg, self.optimizer, self.total_steps)
         )
         self.precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
+        # A heal's load_state_dict and the optimizer step wait for a running save's copies.
+        checkpointer.guard(self.module, self.optimizer)
         self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
         self.progress = QuorumProgress(
             early_stop=self.stopper.state(), timeline=checkpointer.timeline, job_start=job_start or time.time()
@@ -221,15 +246,16 @@ class QuorumTrainer:
     # ------------------------------------------------------------------ replicated state
     def register(self, replica: Replica) -> None:
         """What a healing peer fetches: everything a committed step changes."""
+        guarded = self.checkpointer.guarded  # the model and optimizer are guarded by their hooks
         replica.register_state("model", self.module.load_state_dict, self.module.state_dict)
         replica.register_state("optimizer", self.optimizer.load_state_dict, self.optimizer.state_dict)
-        replica.register_state("scheduler", self.scheduler.load_state_dict, self.scheduler.state_dict)
+        replica.register_state("scheduler", guarded(self.scheduler.load_state_dict), self.scheduler.state_dict)
         scaler = self.precision.scaler
         if scaler.is_enabled():
-            replica.register_state("scaler", scaler.load_state_dict, scaler.state_dict)
+            replica.register_state("scaler", guarded(scaler.load_state_dict), scaler.state_dict)
         if self.extra is not None:
-            replica.register_state("extra", self.extra.load_state_dict, self.extra.state_dict)
-        replica.register_state("progress", self._load_progress, self._progress_state)
+            replica.register_state("extra", guarded(self.extra.load_state_dict), self.extra.state_dict)
+        replica.register_state("progress", guarded(self._load_progress), self._progress_state)
 
     def _progress_state(self) -> dict[str, Any]:
         self.progress.early_stop = self.stopper.state()
@@ -257,6 +283,51 @@ class QuorumTrainer:
     def evaluating(self) -> bool:
         """Every batch of the epoch is committed, its evaluation round is not yet."""
         return self.progress.batch_in_epoch >= self.schedule.batches_per_epoch
+
+    @property
+    def commits(self) -> int:
+        """The Manager step this position stands for: what a continuous run has committed."""
+        return expected_commits(self.train_step, self.progress.epoch)
+
+    def position(self) -> QuorumPosition:
+        p = self.progress
+        timeline = timeline_key(self.checkpointer.timeline)
+        return QuorumPosition(self.commits, self.train_step, p.epoch, self.evaluating, p.lineage, timeline)
+
+    def _check_step(self, replica: Replica) -> None:
+        """The Manager step is a function of the position, on every replica (a heal brings
+        both from the same peer): torchft then heals by position, never back."""
+        if replica.committed_steps != self.commits:
+            raise Rejoin(
+                f"manager step {replica.committed_steps} does not stand for this replica's position "
+                f"({self.position().describe()}, i.e. step {self.commits}): its state is not trusted"
+            )
+
+    def _exchange(
+        self, replica: Replica, attempt: StepAttempt, stats: torch.Tensor, timeout_s: float | None = None
+    ) -> torch.Tensor | None:
+        """The attempt's first collective: the step's exact sums and every participant's
+        position (``agreement``), in one SUM. Returns the summed ``stats``, or None when the
+        collective failed or the participants stand at different positions: then nothing
+        commits, and a participant that differs from participant 0 raises ``Rejoin``."""
+        block = position_block(self.position(), attempt.rank, attempt.world)
+        both = torch.cat([stats, block])
+        if not replica.sum(both, timeout_s=timeout_s):
+            return None
+        try:
+            disagreement = check(decode(both[stats.numel() :], attempt.world), attempt.rank)
+        except ValueError as exc:  # a row written by none or by two: the membership is not what we think
+            replica.refuse(f"position exchange garbled: {exc}")
+            log.error("position_exchange_garbled", step=self.train_step, error=str(exc))
+            return None
+        if disagreement is not None:
+            why = disagreement.explain(attempt.rank)
+            replica.refuse(why)
+            log.error("position_mismatch", step=self.train_step, detail=why)
+            if attempt.rank in disagreement.differing:
+                raise Rejoin(why)
+            return None
+        return both[: stats.numel()]
 
     def train_attempt(self, replica: Replica, attempt: StepAttempt) -> torch.Tensor | None:
         """Forward, backward and the step's collectives; the step's summed stats, or None when
@@ -308,14 +379,15 @@ class QuorumTrainer:
         )
         stats[STOP] = float(self.preemption.kind is not StopKind.NONE)
         stats[SAVE] = float(save_due and attempt.rank == 0)
-        if not replica.average_gradients(self.module.parameters()):
-            self._salvage = _Salvage(share.step, attempt.world, share.indices, stats.clone())
+        mine = stats.clone()
+        # First the positions (and the sums): gradients of different global batches are never averaged.
+        summed = self._exchange(replica, attempt, stats)
+        if summed is None or not replica.average_gradients(self.module.parameters()):
+            self._salvage = _Salvage(share.step, attempt.world, share.indices, mine)
             return None
         if self._buffers and not self._sync_buffers(replica, attempt):
             return None
-        if not replica.sum(stats):
-            return None
-        return stats
+        return summed
 
     def _sync_buffers(self, replica: Replica, attempt: StepAttempt) -> bool:
         """Participant 0's buffers become everyone's, as DDP broadcasts rank 0's: a SUM where
@@ -356,9 +428,9 @@ class QuorumTrainer:
         p.elapsed += seconds
 
     # ------------------------------------------------------------------ the run
-    def fit(self, replica: Replica, resume: Callable[[], Loaded | None]) -> Summary:
-        """Train until the last epoch or an early stop. ``resume`` (the checkpoint to continue
-        from, or None) is called in the first attempt if the whole quorum starts at step 0."""
+    def fit(self, replica: Replica) -> Summary:
+        """Train until the last epoch or an early stop. While the whole quorum stands at step 0
+        its participant 0 chooses where the line of training starts (``_start_line``)."""
         wall_start = time.perf_counter()
         first = True
         since = last_commit = time.perf_counter()  # a step's training time counts its discarded attempts
@@ -366,7 +438,10 @@ class QuorumTrainer:
         while True:
             if self.watchdog is not None:  # waiting for a quorum (bounded by the quorum timeout)
                 self.watchdog.beat(self.train_step, "quorum")
+            if self.faults is not None:
+                self.faults.before_quorum()
             attempt = replica.begin_step(self.schedule, lambda: self.train_step)
+            self._check_step(replica)
             if attempt.heal is not None:
                 heal = attempt.heal
                 log.info("healed", from_step=heal.from_step, to_step=heal.to_step, seconds=round(heal.seconds, 3))
@@ -375,9 +450,9 @@ class QuorumTrainer:
             if first:
                 first = False
                 self._announce(attempt)
-                if attempt.step == 0 and attempt.heal is None and self._resume(replica, resume):
-                    since = time.perf_counter()
-                    continue
+            if attempt.step == 0 and self._start_line(replica, attempt):
+                since = time.perf_counter()
+                continue
             if self.progress.finished or (self.train_step >= self.total_steps and not self.evaluating):
                 break
             step, evaluating, began = self.train_step, self.evaluating, time.perf_counter()
@@ -434,20 +509,85 @@ class QuorumTrainer:
                 break
         return self._summary(time.perf_counter() - wall_start)
 
-    def _resume(self, replica: Replica, resume: Callable[[], Loaded | None]) -> bool:
-        """Every participant is at step 0, so every one of them loads the same ``latest`` (no
-        replica is saving: none is past step 0). True: loaded, the attempt is discarded."""
-        loaded = resume()
+    def _start_line(self, replica: Replica, attempt: StepAttempt) -> bool:
+        """The whole quorum stands at step 0 (a launch, a requeue, every replica lost): where
+        does its line of training start? Participant 0 alone chooses (the newest valid
+        checkpoint, or the seed), settles the directory under the lock and mints the line's
+        lineage; one collective gives its choice to the others, which load that very folder.
+        A participant that cannot read it raises ``Rejoin`` (restarted, it heals from the
+        others); the job goes on. True: the attempt is over (a checkpoint was loaded, and the
+        next quorum continues from it; or nothing was agreed and step 0 is tried again)."""
+        choice: LineChoice | None = None
+        loaded: Loaded | None = None
+        if attempt.rank == 0:
+            choice, loaded = self._choose_line()
+        block = choice.block() if choice is not None else empty_block()
+        if not replica.sum(block):
+            replica.discard(step=0, reason="the start of the line was not agreed")
+            return True
+        try:
+            agreed = LineChoice.from_block(block)
+        except ValueError as exc:
+            replica.discard(step=0, reason=str(exc))
+            return True
+        if agreed is None:  # participant 0 chooses again at the next attempt
+            replica.discard(step=0, reason="participant 0 made no choice")
+            return True
+        if agreed.checkpoint is not None and loaded is None:
+            loaded = self._load_chosen(agreed)
+        if loaded is not None:
+            self.restore(loaded)
+        self.progress.lineage = agreed.lineage
+        self.checkpointer.timeline = self.progress.timeline = agreed.timeline
+        log.info("line_started", lineage=f"{agreed.lineage:x}", timeline=agreed.timeline, checkpoint=agreed.checkpoint)
         if loaded is None:
-            return False
-        self.restore(loaded)
-        # Any step every participant agrees on will do: the Manager's step only orders replicas.
-        replica.discard(step=loaded.manifest.step, reason="loaded the checkpoint; the quorum continues from it")
+            return False  # from the seed: this attempt trains step 0
+        replica.discard(step=self.commits, reason="loaded the checkpoint; the quorum continues from it")
         if self.console is not None:
             m = loaded.manifest
             self.console.line(f"Resumed from {loaded.folder} at epoch {m.epoch + 1}, step {m.step}")
         log.info("resumed", path=str(loaded.folder), step=loaded.manifest.step, saved_world_size=loaded.world_size)
         return True
+
+    def _choose_line(self) -> tuple[LineChoice | None, Loaded | None]:
+        """Participant 0: the directory's one settler. None: choose again (a newer checkpoint
+        was committed meanwhile, which is never moved aside in quorum mode)."""
+        ck = self.checkpointer
+        ck.take_lock()  # UsageError: another job holds the directory (every replica would hear the same)
+        selection = choose_checkpoint(ck.cfg, ck.fingerprint)  # UsageError: nothing valid, incompatible, ...
+        loaded = self._read(selection.folder, "it chose") if selection.folder is not None else None
+        try:
+            # --resume PATH is the user's choice of an older step: its future is moved aside as in
+            # restart mode. With auto, anything newer is a replica of this job's commit: keep it.
+            timeline = ck.settle(selection, keep_newer=self.cfg.resume == "auto")
+        except NewerCommitted as exc:
+            log.warning("line_choice_retried", detail=str(exc))
+            return None, None
+        key = checkpoint_key(selection.folder) if selection.folder is not None else None
+        if selection.folder is not None and key is None:
+            raise UsageError(f"checkpoint {selection.folder} is not a step folder", "pass a step-N folder to --resume")
+        return LineChoice(key, mint_lineage(), timeline_key(timeline)), loaded
+
+    def _load_chosen(self, choice: LineChoice) -> Loaded:
+        """What participant 0 chose, found from the same flags (never from a path on the wire)."""
+        assert choice.checkpoint is not None
+        if self.cfg.resume == "auto":
+            folder = self.checkpointer.cfg.root / step_dir_name(*choice.checkpoint)
+        else:
+            given = Path(self.cfg.resume)
+            folder = latest_target(given) or given
+            if checkpoint_key(folder) != choice.checkpoint:
+                raise Rejoin(f"participant 0 loaded step folder {choice.checkpoint}, --resume names {folder}")
+        loaded = self._read(folder, "participant 0 chose")
+        self.checkpointer.adopt_loaded(loaded, choice.timeline)
+        return loaded
+
+    def _read(self, folder: Path, whose: str) -> Loaded:
+        try:
+            return load(folder)
+        except (CheckpointInvalid, OSError) as exc:
+            # Another replica may read it fine: this one restarts and heals from the quorum.
+            raise Rejoin(f"could not load checkpoint {folder}, which {whose}: {exc}") from exc
 
     def _after_commit(self, attempt: StepAttempt, stats: torch.Tensor, evaluated: bool) -> None:
         """The step boundary: saves and an agreed stop. Every replica decides the same from the
@@ -540,7 +680,7 @@ class QuorumTrainer:
         stats[STATS:] = extra.cpu()
         # Shards take uneven time (a node busier than another): wait for the slowest as long as
         # the watchdog would let a rank evaluate, not the step collectives' few seconds.
-        return stats if replica.sum(stats, timeout_s=self.eval_timeout_s) else None
+        return self._exchange(replica, attempt, stats, timeout_s=self.eval_timeout_s)
 
     def _end_epoch(self, stats: torch.Tensor, world: int) -> None:
         """The committed evaluation round: the epoch's record, line, early stop (run by
@@ -640,6 +780,16 @@ class QuorumTrainer:
             self.progress.job_start, self.progress.lost_s = saved.job_start, saved.lost_s
             self.progress.failures = sum(saved.restarts.values())
             self.progress.discarded = saved.recomputed_steps
+
+    def weights_sha256(self) -> str:
+        """sha256 of the model's tensors (names, dtypes, shapes, bytes): equal on every replica
+        that ended on the same line of training."""
+        digest = hashlib.sha256()
+        for name, value in sorted(self.module.state_dict().items()):
+            flat = value.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"{name}|{flat.dtype}|{tuple(value.shape)}\n".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
 
     def _summary(self, wall: float) -> Summary:
         history = self.progress.history
