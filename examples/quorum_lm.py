@@ -12,6 +12,8 @@ Launch (two replica groups on one host; on several, give the Lighthouse's host):
 
     torchft_lighthouse --bind 127.0.0.1:29510 --min_replicas 1 --heartbeat_timeout_ms 400 \\
         --join_timeout_ms 100 &
+    # One job id and one secret for every replica (it signs the weights a restarted one fetches).
+    export ELASTIC_TRAIN_QUORUM_JOB=quorum-lm ELASTIC_TRAIN_QUORUM_SECRET=$(openssl rand -hex 16)
     for g in 0 1; do
         REPLICA_GROUP_ID=$g TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 torchrun --standalone \\
             --nproc-per-node=1 --max-restarts=3 examples/quorum_lm.py --log-dir logs/quorum_lm &

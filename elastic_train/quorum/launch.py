@@ -10,8 +10,15 @@ forkserver, which imported torch, torchft and the trainer once, so a restart ski
 interpreter start-up and the imports (``elastic_train.launch`` does the same for torchrun).
 
 * ``--lighthouse URL``: the quorum's Lighthouse. Without it, node 0's agent starts one on this
-  host (``--lighthouse-port``, default 29510, bound on all interfaces) for the job's lifetime,
-  and every other node must be given its URL (``jobs/`` passes node 0's address).
+  host for the job's lifetime (``--lighthouse-port``: a free one on one node, 29510 on several;
+  bound to loopback on one node, else to this host's advertised address), and every other node
+  must be given its URL (``jobs/`` passes node 0's address). A port another process listens on
+  is refused (exit 2), and the Lighthouse dies with this agent (``quorum.lighthouse``).
+* The job's identity: every worker gets the job id (``--run-id``, else Slurm's, else a new one)
+  in ``ELASTIC_TRAIN_QUORUM_JOB`` and the job's secret in ``ELASTIC_TRAIN_QUORUM_SECRET`` (minted
+  here on one node; several nodes need one value for every agent, from the environment). A
+  replica refuses a quorum with another job's replicas, and serves its state only to requests
+  signed with the secret (docs/fault-tolerance.md, "Trust and ownership").
 * ``--nnodes`` / ``--node-rank``: replica groups are numbered ``node_rank * nproc + local``.
 * ``--max-restarts`` counts per replica group: a group past it stays down; the others go on.
 * SIGTERM / SIGUSR1 / SIGUSR2 are forwarded to every worker (they agree on a step, participant 0
@@ -27,6 +34,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -38,9 +46,11 @@ from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 from types import FrameType
 
+from elastic_train.errors import UsageError
 from elastic_train.outcome import ExitCode
-from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
-from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, WARM_ARGV_VAR
+from elastic_train.quorum import identity
+from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken
+from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, JOB_VAR, SECRET_VAR, WARM_ARGV_VAR
 
 # Imported by the forkserver once; a forked worker finds them in memory.
 # The last one opens the task's data (``warm``): a restarted worker need not.
@@ -118,6 +128,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--nproc-per-node {args.nproc_per_node}, --nnodes {args.nnodes}, --node-rank {args.node_rank}: bad")
     if args.nnodes > 1 and args.run_id is None and not os.environ.get("SLURM_JOB_ID"):
         p.error("--nnodes > 1 needs one --run-id for every node's agent (the job's checkpoint lock is shared by it)")
+    if args.nnodes > 1 and len(os.environ.get(SECRET_VAR, "")) < identity.MIN_SECRET_CHARS:
+        p.error(
+            f"--nnodes > 1 needs {SECRET_VAR}: one random value (16+ characters) for every node's agent, "
+            f"e.g. export {SECRET_VAR}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
+        )
     if args.lighthouse is None and args.node_rank != 0:
         p.error("only node 0 starts the Lighthouse: pass --lighthouse http://<node 0>:<port> on the others")
     return args, trainer
@@ -132,6 +147,8 @@ class Agent:
         self.trainer_argv = ["--ft", "quorum", *trainer_argv]
         self.lighthouse = lighthouse
         self.run_id = args.run_id or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12]
+        # Signs the state transfer between this job's replicas; minted per launch on one node.
+        self.secret = os.environ.get(SECRET_VAR) or secrets.token_hex(16)
         first = args.node_rank * args.nproc_per_node
         self.slots = [Slot(first + i) for i in range(args.nproc_per_node)]
         self.ctx = multiprocessing.get_context("forkserver")
@@ -141,7 +158,10 @@ class Agent:
         self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // args.nproc_per_node))
 
     def environ(self, slot: Slot) -> dict[str, str]:
+        # On one node every listener (a replica's store and state server) stays on loopback.
+        local = {HOST_VAR: "127.0.0.1"} if self.args.nnodes == 1 and not os.environ.get(HOST_VAR) else {}
         return {
+            **local,
             # A world of one for torch.distributed; the local rank picks the GPU (cuda:<local
             # rank>) and the local world size the CPU threads, as under torchrun.
             "RANK": "0",
@@ -152,6 +172,8 @@ class Agent:
             "REPLICA_GROUP_ID": str(slot.group),
             "TORCHELASTIC_RESTART_COUNT": str(slot.restarts),
             "TORCHELASTIC_RUN_ID": self.run_id,
+            JOB_VAR: self.run_id,
+            SECRET_VAR: self.secret,
             "TORCHFT_LIGHTHOUSE": self.lighthouse,
             GROUPS_VAR: str(self.args.nnodes * self.args.nproc_per_node),
             "OMP_NUM_THREADS": self.threads,
@@ -242,20 +264,39 @@ def _host_address() -> str:
     return os.environ.get(HOST_VAR) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def start_lighthouse(args: argparse.Namespace) -> tuple[Lighthouse, str]:
+    """Node 0's Lighthouse, bound to the job's interface, and the URL replicas reach it at.
+    Every quorum change waits for it: its heartbeat timeout is what a dead worker costs the
+    survivors (LighthouseConfig)."""
+    log = Path(os.environ.get("ELASTIC_TRAIN_LIGHTHOUSE_LOG", os.devnull))
+    single = args.nnodes == 1
+    advertised = "127.0.0.1" if single else _host_address()
+    bind = "127.0.0.1" if single else identity.bind_address(advertised)
+    if not single and identity.is_loopback(bind):
+        print(
+            f"[quorum-agent] warning: {advertised} resolves to {bind} here, a loopback address other nodes "
+            f"cannot reach; set {HOST_VAR} to this host's address",
+            flush=True,
+        )
+    lighthouse = Lighthouse(
+        LighthouseConfig(), host=bind, port=args.lighthouse_port or (None if single else 29510), log=log
+    )
+    lighthouse.start()
+    address = f"http://{advertised}:{lighthouse.port}"
+    print(f"[quorum-agent] Lighthouse at {address} (pid {lighthouse.pid}), bound to {bind}", flush=True)
+    return lighthouse, address
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, trainer = parse(sys.argv[1:] if argv is None else argv)
     lighthouse: Lighthouse | None = None
     address = args.lighthouse
     if address is None:
-        # Every quorum change waits for the Lighthouse: its heartbeat timeout is what a dead
-        # worker costs the survivors (LighthouseConfig).
-        log = Path(os.environ.get("ELASTIC_TRAIN_LIGHTHOUSE_LOG", os.devnull))
-        single = args.nnodes == 1
-        port = args.lighthouse_port or (None if single else 29510)
-        lighthouse = Lighthouse(LighthouseConfig(), host="127.0.0.1" if single else "0.0.0.0", port=port, log=log)
-        lighthouse.start()
-        address = f"http://{'127.0.0.1' if single else _host_address()}:{lighthouse.port}"
-        print(f"[quorum-agent] Lighthouse at {address} (pid {lighthouse.pid})", flush=True)
+        try:
+            lighthouse, address = start_lighthouse(args)
+        except (LighthousePortTaken, UsageError) as exc:
+            print(f"elastic_train.quorum.launch: error: {exc}", file=sys.stderr, flush=True)
+            return int(ExitCode.USAGE)
     try:
         return Agent(args, trainer, address, lighthouse).run()
     finally:

@@ -6,10 +6,20 @@ survivors: a replica that stops heartbeating is left out of the next quorum afte
 ``heartbeat_timeout_ms``; measured on 2 cores, a SIGKILLed worker cost its peer 0.36-0.57 s at
 250-500 ms. In a real job run ``torchft_lighthouse`` (it ships in the torchft wheel) on a host
 every node reaches, with the same flags.
+
+Ownership: ``start`` refuses a port something else listens on (``LighthousePortTaken``: another
+job's Lighthouse, or one a SIGKILLed agent left behind), and counts the Lighthouse as started
+only when the listening socket on its port is one of its child's own file descriptors (the
+socket's inode, from ``/proc/<pid>/net/tcp*`` and ``/proc/<pid>/fd``), never because "someone
+answered". The child is started through a small wrapper that sets ``PR_SET_PDEATHSIG``
+(SIGKILL) before it executes ``torchft_lighthouse``: when the process that started it dies, even
+by SIGKILL, the Lighthouse dies too. Linux delivers that signal when the starting THREAD exits:
+start it from a thread that lives as long as the Lighthouse should (the agent's main thread).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -27,6 +37,94 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# Runs between the fork and torchft_lighthouse (argv: the starter's pid, the command): the child
+# gets SIGKILL when its starter dies, and does not start at all if the starter is already gone.
+_DIE_WITH_STARTER = """
+import ctypes, os, signal, sys
+PR_SET_PDEATHSIG = 1
+if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    sys.exit("prctl(PR_SET_PDEATHSIG) failed: errno %d" % ctypes.get_errno())
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+class LighthousePortTaken(RuntimeError):
+    """Another process listens on the Lighthouse's port: it is not this job's to use."""
+
+    def __init__(self, host: str, port: int) -> None:
+        holder = listening_pid(port)
+        who = f"process {holder}" if holder is not None else "another process (not visible to this user)"
+        super().__init__(
+            f"port {port} on {host} is already in use by {who}: another job's Lighthouse, or one left "
+            f"behind by a killed agent. Fix: pass another --lighthouse-port (or stop that process)"
+        )
+        self.port = port
+
+
+def _listening_inodes(pid: int | str, port: int) -> set[str]:
+    """Inodes of the sockets listening on ``port`` in ``pid``'s network namespace."""
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # sl local rem st tx:rx tr:when retrnsmt uid timeout inode
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def _socket_inodes(pid: int | str) -> set[str]:
+    """Inodes of the sockets ``pid`` holds open (empty when its fds are not ours to read)."""
+    inodes: set[str] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def owns_listener(pid: int, port: int) -> bool:
+    """True when ``pid`` itself holds a socket listening on ``port`` (not merely someone does)."""
+    return bool(_listening_inodes(pid, port) & _socket_inodes(pid))
+
+
+def listening_pid(port: int) -> int | None:
+    """The process listening on ``port`` in this network namespace, if this user may see it."""
+    listening = _listening_inodes("self", port)
+    if not listening:
+        return None
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and listening & _socket_inodes(entry):
+            return int(entry)
+    return None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """``LighthousePortTaken`` when a socket already listens on ``host:port``. SO_REUSEADDR as
+    the Lighthouse's own bind: the TIME_WAIT connections of a previous one are no obstacle."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise LighthousePortTaken(host, port) from None
+            raise
 
 
 @dataclass(frozen=True)
@@ -112,31 +210,29 @@ class Lighthouse:
                 f"torchft_lighthouse is neither in {beside.parent} nor on PATH: install torchft "
                 "(pip install 'elastic-train[ft]')"
             )
-        executable = Path(found)
+        _check_port_free(self.host, self.port)
+        command = [found, f"--bind={self.host}:{self.port}", *self.config.flags()]
+        if sys.platform == "linux":
+            command = [sys.executable, "-I", "-S", "-c", _DIE_WITH_STARTER, str(os.getpid()), *command]
         env = {"RUST_LOG": "info", **self.env}  # it logs quorum changes: useful in a test's output
         with self.log.open("ab") if self.log is not None else open(os.devnull, "wb") as output:
             self.proc = subprocess.Popen(
-                [str(executable), f"--bind={self.host}:{self.port}", *self.config.flags()],
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+                command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
             )
+        self._wait_until_listening(self.proc)
+
+    def _wait_until_listening(self, proc: subprocess.Popen[bytes]) -> None:
+        """Until ``proc`` itself listens on the port; a foreign listener there is an error, not a start."""
         deadline = time.monotonic() + self.start_timeout_s
-        while not self._listening():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"torchft_lighthouse exited with {self.proc.returncode}; see {self.log}")
+        while not owns_listener(proc.pid, self.port):
+            if proc.poll() is not None:
+                if _listening_inodes("self", self.port):  # taken between the check and its bind
+                    raise LighthousePortTaken(self.host, self.port)
+                raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}; see {self.log}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"torchft_lighthouse not listening on {self.address} after {self.start_timeout_s}s")
             time.sleep(0.1)
-
-    def _listening(self) -> bool:
-        try:
-            socket.create_connection((self.host, self.port), timeout=1.0).close()
-        except OSError:
-            return False
-        return True
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s; always waits for it."""

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 # The name or address this host's replicas advertise (store, Manager, state transfer) and its
-# agent advertises for the Lighthouse; default: the host name.
+# agent advertises for the Lighthouse; default: the host name (loopback for a one-node launch).
 HOST_VAR = "ELASTIC_TRAIN_QUORUM_HOST"
+# The address this host's listeners (the Lighthouse, each replica's store and state server) bind
+# to; default: the address HOST_VAR's name resolves to here. "0.0.0.0" restores every interface.
+BIND_VAR = "ELASTIC_TRAIN_QUORUM_BIND"
+# The job's identity, part of every replica id: a replica refuses a quorum holding another
+# job's replica. The agent sets it (its --run-id, else Slurm's job id, else a new one).
+JOB_VAR = "ELASTIC_TRAIN_QUORUM_JOB"
+# The job's secret: a healing replica's request and the state served to it are signed with it
+# (HMAC-SHA256). The agent mints one per launch on one node; several nodes share one from the env.
+SECRET_VAR = "ELASTIC_TRAIN_QUORUM_SECRET"
 # The trainer flags (a JSON list), for the forkserver's preload of ``elastic_train.quorum.warm``.
 WARM_ARGV_VAR = "ELASTIC_TRAIN_WARM_ARGV"
 # Replica groups the job was launched with (for the start-up line).

@@ -56,7 +56,8 @@ from torch import nn
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from elastic_train.outcome import ExitCode
-from elastic_train.quorum.names import HOST_VAR
+from elastic_train.quorum import identity
+from elastic_train.quorum.names import HOST_VAR, SECRET_VAR
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
 
 T = TypeVar("T")
@@ -76,7 +77,14 @@ class ReplicaConfig:
 
     lighthouse: str  # the Lighthouse's URL, http://host:port (torchft's TORCHFT_LIGHTHOUSE)
     replica_group: int  # this group's index (torchft's REPLICA_GROUP_ID): distinct per group
-    name: str = "replica"  # replica ids are "<name>_<group>": torchft reads the trailing digits
+    # Logs and files are named "<name>_<group>" (``replica_id``); torchft's replica id also
+    # carries the job ("<name>@<job>_<group>", ``member_id``) and reads its trailing digits.
+    name: str = "replica"
+    # The job's id (``identity.job_id``: the agent's JOB_VAR, Slurm's job id, torchrun's run id):
+    # a quorum holding a replica of another job is refused before anything moves.
+    job: str = field(default_factory=lambda: identity.job_id(os.environ))
+    # Signs the state transfer (``elastic_train.quorum.transport``); the same for every replica.
+    secret: str = field(default_factory=lambda: os.environ.get(SECRET_VAR, ""), repr=False)
     # Bounds a gloo collective: how long a participant waits for a peer that stopped answering
     # (a killed peer's closed socket fails it at once). Too short fails healthy but slow steps.
     collective_timeout_s: float = 2.0
@@ -109,6 +117,8 @@ class ReplicaConfig:
             raise ValueError(f"replica group {self.replica_group} is negative: number the groups 0, 1, 2, ...")
         if self.name[-1:].isdigit():
             raise ValueError(f"replica name {self.name!r} ends in a digit: torchft would read it as the group index")
+        if not self.name or any(c in self.name for c in "@:_"):
+            raise ValueError(f"replica name {self.name!r} is empty or holds '@', ':' or '_' (replica id separators)")
         timeouts = ("collective_timeout_s", "timeout_s", "quorum_timeout_s", "connect_timeout_s", "lighthouse_retry_s")
         for what in timeouts:
             if getattr(self, what) <= 0:
@@ -117,6 +127,11 @@ class ReplicaConfig:
     @property
     def replica_id(self) -> str:
         return f"{self.name}_{self.replica_group}"
+
+    @property
+    def member_id(self) -> str:
+        """The replica id torchft and the Lighthouse see: "<name>@<job>_<group>"."""
+        return identity.member_id(self.name, self.job, self.replica_group)
 
     @property
     def quorum_retries(self) -> int:
@@ -179,20 +194,30 @@ def _host_copy(state: T) -> T:
     return tree_map(copy_leaf, state)  # type: ignore[no-any-return]
 
 
+def _listen(address: str) -> socket.socket:
+    """A listening TCP socket on ``address``, any free port."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind((address, 0))
+    listener.listen(512)
+    return listener
+
+
 def _state_transport(config: ReplicaConfig) -> Any:
-    """torchft's HTTP state transfer, advertised under ``config.hostname``: torchft's own uses
-    ``socket.gethostname()``, which another host (or network namespace) may resolve to itself."""
-    from torchft.checkpointing.http_transport import HTTPTransport
+    """The state transfer to and from healing peers: tensors and JSON signed with the job's
+    secret, never pickle (torchft's own unpickles what any peer serves), served on the job's
+    interface under ``config.hostname`` (torchft's own advertises ``socket.gethostname()``,
+    which another host or network namespace may resolve to itself). ``UsageError`` without a
+    job id or secret."""
+    from elastic_train.quorum.transport import SignedStateTransport
 
-    class AdvertisedHTTPTransport(HTTPTransport[dict[str, Any]]):  # type: ignore[misc]
-        def address(self) -> str:
-            port = self._server.socket.getsockname()[1]
-            return f"http://{config.hostname}:{port}/checkpoint/"
-
-    transport = AdvertisedHTTPTransport(timeout=timedelta(seconds=config.timeout_s), num_chunks=0)
-    # Its request handler logs every transfer to stderr ("GET /checkpoint/..."): the heal is logged already.
-    transport._server.RequestHandlerClass.log_message = lambda *args, **kwargs: None
-    return transport
+    identity.require_identity(config.job, config.secret, config.replica_id)
+    return SignedStateTransport(
+        advertise=config.hostname,
+        bind=identity.bind_address(config.hostname),
+        secret=config.secret,
+        timeout=timedelta(seconds=config.timeout_s),
+    )
 
 
 class Replica:
@@ -211,9 +236,15 @@ class Replica:
         store_addr, store_port = group.store_addr, group.store_port
         if store_addr is None or store_port is None:
             # The quorum's process group meets in its first participant's store: peers on other
-            # hosts connect to it by the advertised name (the server listens on every interface).
+            # hosts connect to it by the advertised name. It listens on the job's interface only
+            # (TCPStore itself binds every interface): on a socket bound here, handed over.
+            listener = _listen(identity.bind_address(config.hostname))
             store = torch.distributed.TCPStore(  # type: ignore[attr-defined]
-                config.hostname, 0, is_master=True, wait_for_workers=False
+                config.hostname,
+                listener.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
             )
             self._own_store = store
             store_addr, store_port = config.hostname, int(store.port)
@@ -233,10 +264,11 @@ class Replica:
             store_addr=store_addr,
             store_port=store_port,
             lighthouse_addr=config.lighthouse,
-            replica_id=config.replica_id,
+            replica_id=config.member_id,
             hostname=config.hostname,
             checkpoint_transport=_state_transport(config),
         )
+        identity.guard_quorum(self.manager, config.job, config.member_id, config.lighthouse)
 
     @property
     def committed_steps(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 
 from elastic_train.data.sampler import global_batches
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
+from elastic_train.quorum.names import JOB_VAR, SECRET_VAR
 from elastic_train.quorum.schedule import QuorumSchedule
 from examples.char_lm import Windows, make_text
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged, read_jsonl
@@ -43,6 +45,11 @@ SURVIVOR, VICTIM = 0, 1
 def schedule() -> QuorumSchedule:
     samples = len(Windows(make_text(CHARS, seed=1234), CONTEXT))  # what the example trains on
     return QuorumSchedule(samples, BATCH, SEED)
+
+
+def job_identity() -> dict[str, str]:
+    """What every replica of one job shares (the quorum agent mints it; one torchrun per replica does not)."""
+    return {JOB_VAR: f"quorum-lm-{secrets.token_hex(4)}", SECRET_VAR: secrets.token_hex(16)}
 
 
 @dataclass
@@ -113,7 +120,7 @@ class Replicas:
 @pytest.fixture
 def replicas(tmp_path: Path) -> Iterator[Callable[[LighthouseConfig], Replicas]]:
     """Starts a job's Lighthouse on demand; at the end reaps everything the job started."""
-    env = base_env()
+    env = base_env(job_identity())
     started: list[Lighthouse] = []
 
     def start(config: LighthouseConfig) -> Replicas:
@@ -192,7 +199,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
     """Two replicas from start to end, no failure (the Lighthouse waits for both: min 2)."""
     base = tmp_path_factory.mktemp("fault_free")
-    env = base_env()
+    env = base_env(job_identity())
     started = time.monotonic()
     # Nothing fails here: a generous heartbeat timeout keeps a loaded machine from dropping a live replica.
     config = LighthouseConfig(min_replicas=2, heartbeat_timeout_ms=3000)

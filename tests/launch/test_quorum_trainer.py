@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import signal
 import subprocess
 import time
@@ -124,7 +125,8 @@ class Job:
 
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[Job]:
-    job = Job(tmp_path, base_env())
+    # Agents of several nodes share one secret (it signs the state a healing replica fetches).
+    job = Job(tmp_path, base_env({"ELASTIC_TRAIN_QUORUM_SECRET": secrets.token_hex(16)}))
     try:
         yield job
     finally:

@@ -10,6 +10,7 @@ exactly once. Needs root and iproute2 (skips without, fails in CI: ELASTIC_TRAIN
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import time
 from collections.abc import Iterator
@@ -58,7 +59,8 @@ def test_a_partitioned_node_is_left_behind_and_heals_back_in_when_the_network_re
     hosts: dict[str, Host], tmp_path: Path
 ) -> None:
     a, b = hosts["a"], hosts["b"]
-    job = Job(tmp_path, base_env())
+    # Two nodes, one job: one secret for both agents (it signs the state a healing replica fetches).
+    job = Job(tmp_path, base_env({"ELASTIC_TRAIN_QUORUM_SECRET": secrets.token_hex(16)}))
     node_a = start(job, a, 0, ["--lighthouse-port", str(PORT)], epochs=6)
     node_b = start(job, b, 1, ["--lighthouse", f"http://{a.addr}:{PORT}"], epochs=6)
     try:

@@ -1,0 +1,280 @@
+"""The state a healing replica fetches from a live peer: tensors and JSON, signed with the job's secret.
+
+torchft's own ``HTTPTransport`` pickles the state and its receiver unpickles (``weights_only=False``)
+whatever the peer named by the Lighthouse serves, from a server on every interface with no
+authentication: anyone who reaches the Lighthouse or a replica could run code in every replica.
+``SignedStateTransport`` implements the same interface (``CheckpointTransport``) without pickle:
+
+* the state (torchft's ``{"user": {name: state}, "torchft": {"step", "batches_committed"}}``) is
+  encoded by ``encode_state``: every tensor into one safetensors blob, the structure and every
+  other leaf into a JSON tree whose tags keep what JSON loses (tuples, dicts with non-string keys
+  as the optimizer's ``state`` has, ``OrderedDict``); decoding is exact (bitwise tensors, the same
+  Python types) and refuses anything else;
+* the server binds to the job's interface (``identity.bind_address``), not every interface;
+* a request is signed (HMAC-SHA256 of the path with the job's secret; a wrong or missing
+  signature gets 403 and no state), and so is the body served (the receiver checks it before
+  reading a byte of it: a peer without the secret cannot make a replica load anything).
+
+Limits: the secret authenticates, it does not encrypt: the weights cross the network in clear.
+A signed request can be replayed by whoever sees it, for the same step's state only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import struct
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import OrderedDict
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from torchft.checkpointing.transport import CheckpointTransport
+
+MAGIC = b"ETSTATE1"  # the body's first bytes: format and version
+_LENGTH = struct.Struct("<Q")  # the JSON header's length, after MAGIC
+SIGNATURE_HEADER = "X-Elastic-Train-Signature"
+PATH_PREFIX = "/state/"
+
+
+_SCALARS = (bool, int, float, str)
+
+
+class StateTransferError(RuntimeError):
+    """A state transfer failed or was refused; the message says which side and why."""
+
+
+# ------------------------------------------------------------------------------- the codec
+def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+    # Exact types: a subclass (an IntEnum, a numpy scalar) would come back as its base type.
+    # Every dict is tagged, so no key of the state is ever read as a tag.
+    if value is None or type(value) in _SCALARS:
+        return value
+    if isinstance(value, torch.Tensor):
+        name = f"t{len(tensors)}"
+        # A copy of its own: safetensors refuses tensors that share storage, and the bytes must
+        # be those of this moment whatever the trainer does next.
+        tensors[name] = value.detach().to("cpu", copy=True).contiguous()
+        return {"$tensor": name}
+    if isinstance(value, tuple):
+        return {"$tuple": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        pairs = [
+            [_encode(k, tensors, f"{where} key"), _encode(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()
+        ]
+        if type(value) is OrderedDict:
+            return {"$odict": pairs, "meta": _encode(getattr(value, "_metadata", None), tensors, f"{where}._metadata")}
+        if type(value) is dict:
+            return {"$dict": pairs}
+    raise TypeError(
+        f"state {where} is a {type(value).__name__}: the heal transfer carries tensors, None, bools, ints, "
+        "floats, strings, lists, tuples and dicts only; convert it in the state function you registered"
+    )
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
+    if node is None or type(node) in _SCALARS:
+        return node
+    if isinstance(node, list):
+        return [_decode(v, tensors, used) for v in node]
+    if not isinstance(node, dict) or len(node) not in (1, 2):
+        raise ValueError(f"not a state tree node: {str(node)[:80]}")
+    if set(node) == {"$tensor"}:
+        name = node["$tensor"]
+        if name not in tensors or name in used:
+            raise ValueError(f"tensor {name!r} is missing from the state, or named twice")
+        used.add(name)
+        return tensors[name]
+    if set(node) == {"$tuple"}:
+        return tuple(_decode(v, tensors, used) for v in node["$tuple"])
+    if set(node) == {"$dict"}:
+        return {_decode(k, tensors, used): _decode(v, tensors, used) for k, v in node["$dict"]}
+    if set(node) == {"$odict", "meta"}:
+        result: OrderedDict[Any, Any] = OrderedDict(
+            (_decode(k, tensors, used), _decode(v, tensors, used)) for k, v in node["$odict"]
+        )
+        meta = _decode(node["meta"], tensors, used)
+        if meta is not None:
+            result._metadata = meta  # type: ignore[attr-defined]  # nn.Module's state_dict versions
+        return result
+    raise ValueError(f"not a state tree node: {str(node)[:80]}")
+
+
+def encode_state(state: Any) -> bytes:
+    """``state`` as bytes: MAGIC, the JSON tree's length and the tree, then the safetensors blob."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = json.dumps(_encode(state, tensors, "state"), separators=(",", ":")).encode()
+    return MAGIC + _LENGTH.pack(len(tree)) + tree + save_tensors(tensors)
+
+
+def decode_state(body: bytes) -> Any:
+    """The inverse of ``encode_state``; ``ValueError`` for anything it did not write. Reads JSON
+    and safetensors only: nothing in ``body`` is ever executed."""
+    head = len(MAGIC) + _LENGTH.size
+    if not body.startswith(MAGIC) or len(body) < head:
+        raise ValueError(f"not an elastic-train state (its first bytes are {body[:8]!r}, expected {MAGIC!r})")
+    (length,) = _LENGTH.unpack_from(body, len(MAGIC))
+    if head + length > len(body):
+        raise ValueError(f"state truncated: its tree needs {length} bytes, {len(body) - head} follow")
+    try:
+        tree = json.loads(body[head : head + length])
+        tensors = load_tensors(body[head + length :])
+        used: set[str] = set()
+        state = _decode(tree, tensors, used)
+    except (TypeError, KeyError, IndexError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as exc:
+        raise ValueError(f"malformed state: {exc}") from None
+    if used != set(tensors):
+        raise ValueError(f"state carries tensors its tree never names: {sorted(set(tensors) - used)[:5]}")
+    return state
+
+
+# ----------------------------------------------------------------------------- signatures
+def _sign(secret: bytes, *parts: bytes) -> str:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(_LENGTH.pack(len(part)) + part)  # length-prefixed: no two part lists collide
+    return mac.hexdigest()
+
+
+def request_signature(secret: bytes, path: str) -> str:
+    return _sign(secret, b"GET", path.encode())
+
+
+def body_signature(secret: bytes, step: int, body: bytes) -> str:
+    return _sign(secret, b"STATE", str(step).encode(), body)
+
+
+# ------------------------------------------------------------------------------ transport
+class _Staged:
+    """What the server may serve: one step's encoded state, or nothing (between steps)."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Condition()
+        self.step = -1
+        self.body: bytes | None = None
+        self.signature = ""
+
+    def wait_for(self, step: int, timeout_s: float) -> tuple[bytes, str] | None:
+        """The body of ``step`` once staged (a healer may ask before its source staged it)."""
+        with self.ready:
+            self.ready.wait_for(lambda: self.body is not None and self.step >= step, timeout=timeout_s)
+            if self.body is None or self.step != step:
+                return None
+            return self.body, self.signature
+
+
+class SignedStateTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
+    """torchft's ``CheckpointTransport`` over HTTP with no pickle, a bound interface and the job's
+    secret (see the module). ``advertise``: the name peers reach this host by; ``bind``: the
+    address to listen on; ``timeout``: one request (the server's socket, the receiver's read)."""
+
+    def __init__(self, *, advertise: str, bind: str, secret: str, timeout: timedelta) -> None:
+        self._advertise = advertise
+        self._secret = secret.encode()
+        self._timeout_s = timeout.total_seconds()
+        self._staged = _Staged()
+        self._server = _server(bind, self)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="state-transfer", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def metadata(self) -> str:
+        host = f"[{self._advertise}]" if ":" in self._advertise else self._advertise
+        return f"http://{host}:{self.port}{PATH_PREFIX}"
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict[str, Any], timeout: timedelta) -> None:
+        body = encode_state(state_dict)
+        with self._staged.ready:
+            self._staged.step, self._staged.body = step, body
+            self._staged.signature = body_signature(self._secret, step, body)
+            self._staged.ready.notify_all()
+
+    def disallow_checkpoint(self) -> None:
+        # A response already being written keeps its own reference to the bytes.
+        with self._staged.ready:
+            self._staged.body = None
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict[str, Any]:
+        url = f"{metadata}{step}"
+        path = urllib.parse.urlparse(url).path
+        request = urllib.request.Request(url, headers={SIGNATURE_HEADER: request_signature(self._secret, path)})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
+                signature = response.headers.get(SIGNATURE_HEADER, "")
+                body = response.read()
+        except urllib.error.HTTPError as exc:
+            why = "it does not share this job's secret" if exc.code == 403 else exc.reason
+            raise StateTransferError(f"the peer at {url} refused the state transfer ({exc.code}: {why})") from None
+        if not hmac.compare_digest(signature, body_signature(self._secret, step, body)):
+            raise StateTransferError(
+                f"the state from {url} is not signed with this job's secret: refused unread (a peer of "
+                "another job, or something else answering at that address)"
+            )
+        try:
+            state = decode_state(body)
+        except ValueError as exc:
+            raise StateTransferError(f"the state from {url} is malformed: {exc}") from None
+        if not isinstance(state, dict) or set(state) != {"user", "torchft"}:
+            raise StateTransferError(f"the state from {url} is not a replica's state (keys {sorted(state)[:5]})")
+        return state
+
+    def shutdown(self, wait: bool = True) -> None:
+        def stop() -> None:
+            self._server.shutdown()
+            self._server.server_close()
+
+        if wait:
+            stop()
+            self._thread.join()
+        else:  # serve_forever notices within its 0.5 s poll; nobody waits for that
+            threading.Thread(target=stop, daemon=True).start()
+
+
+def _server(bind: str, transport: SignedStateTransport) -> ThreadingHTTPServer:
+    staged, secret, timeout_s = transport._staged, transport._secret, transport._timeout_s
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = timeout_s  # a silent client cannot hold a thread forever
+
+        def do_GET(self) -> None:
+            given = self.headers.get(SIGNATURE_HEADER, "")
+            if not hmac.compare_digest(given, request_signature(secret, self.path)):
+                self.send_error(403, "not signed with this job's secret")
+                return
+            step_text = self.path[len(PATH_PREFIX) :] if self.path.startswith(PATH_PREFIX) else ""
+            if not step_text.isdigit():
+                self.send_error(404, f"expected {PATH_PREFIX}<step>")
+                return
+            staged_state = staged.wait_for(int(step_text), timeout_s)
+            if staged_state is None:
+                self.send_error(409, f"step {step_text} is not the state served now (step {staged.step})")
+                return
+            body, signature = staged_state
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header(SIGNATURE_HEADER, signature)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # every transfer is logged by the heal already
+
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    server_class = type("StateServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+    return server_class((bind, 0), Handler)  # type: ignore[no-any-return]
