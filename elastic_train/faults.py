@@ -13,6 +13,8 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
 * ``release`` (``:file=NAME[:until=NAME2]``): write the file NAME at the start of step S; with
   ``until``, wait for NAME2 just before this process next asks for a quorum. A hold and a
   release order two replicas' quorum requests exactly, without guessing at timings.
+* ``load_error``: reading the checkpoint of step S fails with EIO in this process (quorum
+  mode's start of a line: one replica's storage hiccup).
 * ``kill_in_save`` (``:stage=before_shard|after_shard|after_manifest``) / ``enospc``: fired by
   the checkpoint writer's save hooks (``CheckpointFaults``, passed to ``Checkpointer(hooks=)``).
 * ``slow_save`` (``:seconds=N``): the writer thread sleeps N seconds before this rank's shard of
@@ -42,7 +44,8 @@ STEP_KINDS = ("kill", "hang", "raise", "preempt", "hold", "release")
 HANDSHAKE_TIMEOUT_S = 300.0  # a hold or release waits this long for its file, then raises
 HANDSHAKE_SETTLE_S = 0.2  # after a release's wait: the other process's next call is under way
 SAVE_KINDS = ("kill_in_save", "enospc", "slow_save")
-KINDS = STEP_KINDS + SAVE_KINDS
+LOAD_KINDS = ("load_error",)
+KINDS = STEP_KINDS + SAVE_KINDS + LOAD_KINDS
 HINT = f"write e.g. {ENV_VAR}='kill:rank=1:step=7,raise:rank=0:step=3:always'"
 
 log = structlog.get_logger(__name__)

@@ -13,6 +13,7 @@ flags or data leaves the log directory untouched.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -122,8 +123,10 @@ class Console:
     def __init__(self, env: DistEnv) -> None:
         self.enabled = should_print_console(env)
 
-    def line(self, text: str) -> None:
-        if self.enabled:
+    def line(self, text: str, always: bool = False) -> None:
+        """``always``: print even where this process is not the speaker (quorum mode: the line
+        of an epoch goes out from whichever replica wrote it to ``metrics.jsonl``)."""
+        if self.enabled or always:
             print(text, flush=True)
 
 
@@ -134,12 +137,37 @@ class MetricsFile:
         self.path = log_dir / "metrics.jsonl"
         self.enabled = should_write_metrics(env)
 
+    def append_once(self, record: dict[str, Any], key: tuple[str, ...], since: float) -> bool:
+        """Append ``record`` unless a line written at or after ``since`` already has its values
+        under ``key``: several writers (quorum mode: every replica that committed an epoch's
+        evaluation round) leave exactly one line, whichever of them committed. An exclusive
+        ``flock`` orders the writers on one host; True when this call wrote the line."""
+        if not self.enabled:
+            return False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        wanted = tuple(record.get(k) for k in key)
+        with self.path.open("a+", encoding="utf-8") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            fh.seek(0)
+            for line in fh:
+                try:
+                    old = json.loads(line)
+                except ValueError:
+                    continue  # a torn line of a killed writer
+                if isinstance(old, dict) and old.get("time", 0) >= since and tuple(old.get(k) for k in key) == wanted:
+                    return False
+            self._write(fh, record)
+            return True
+
     def append(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"time": time.time(), **record}) + "\n"
         with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
+            self._write(fh, record)
+
+    @staticmethod
+    def _write(fh: IO[str], record: dict[str, Any]) -> None:
+        fh.write(json.dumps({"time": time.time(), **record}) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())

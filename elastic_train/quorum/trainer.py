@@ -35,6 +35,7 @@ mid-save leaves an uncommitted folder that the next save cleans up, never a comm
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
 import time
@@ -50,7 +51,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from elastic_train.checkpoint.format import CheckpointInvalid, checkpoint_key, latest_target, step_dir_name
+from elastic_train.checkpoint.format import CheckpointInvalid, checkpoint_key, latest_target, step_dir_name, step_of
 from elastic_train.checkpoint.manager import Checkpointer, Loaded, NewerCommitted, choose_checkpoint, load
 from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
 from elastic_train.config import TrainConfig
@@ -100,6 +101,9 @@ _LOW32 = np.uint64(0xFFFFFFFF)
 # halves over W participants stays below 2^53, exact in float64, for W < 2^21).
 CORRECT, LOSS_SUM, SAMPLES, STOP, SAVE, DIGEST = 0, 1, 2, 3, 4, 5
 STATS = DIGEST + 4
+# Lines of metrics.jsonl older than the job's start (less this, for other hosts' clocks) are an
+# earlier run's: the same epoch there does not stand for this job's line.
+METRICS_CLOCK_SLACK_S = 60.0
 MAX_DISCARDS = 20  # attempts in a row before a worker gives up (see ``fit``)
 PROGRESS_EVERY = 5  # committed steps between "committed" log events (each replica's progress)
 
@@ -584,6 +588,9 @@ class QuorumTrainer:
 
     def _read(self, folder: Path, whose: str) -> Loaded:
         try:
+            step = step_of(folder)
+            if self.faults is not None and step is not None and self.faults.fires("load_error", step):
+                raise OSError(errno.EIO, "injected load_error", str(folder))
             return load(folder)
         except (CheckpointInvalid, OSError) as exc:
             # Another replica may read it fine: this one restarts and heals from the quorum.
@@ -625,11 +632,9 @@ class QuorumTrainer:
             self.checkpointer.commit_pending()
 
     def _speak(self, main: bool) -> None:
-        """Participant 0 of the current attempt prints and writes ``metrics.jsonl``."""
+        """Participant 0 of the current attempt prints (an epoch's line: see ``_end_epoch``)."""
         if self.console is not None:
             self.console.enabled = main
-        if self.metrics_file is not None:
-            self.metrics_file.enabled = main
 
     def _announce(self, attempt: StepAttempt) -> None:
         params = sum(p.numel() for p in self.module.parameters())
@@ -712,14 +717,17 @@ class QuorumTrainer:
         p.history.append(record.to_json())
         p.epoch += 1
         p.batch_in_epoch, p.sums, p.digest, p.elapsed = 0, [0.0, 0.0, 0.0], [0, 0], 0.0
-        if self.console is not None:
-            self.console.line(record.console_line(self.cfg.epochs, self.task.rate_unit))
-        if self.metrics_file is not None:
-            self.metrics_file.append(record.to_json())
+        # Every replica that committed the round offers the line; exactly one is written (the
+        # round's participant 0 may have failed its vote while the others committed).
+        first = self.metrics_file is not None and self.metrics_file.append_once(
+            record.to_json(), key=("epoch", "step", "sample_digest"), since=p.job_start - METRICS_CLOCK_SLACK_S
+        )
+        if first and self.console is not None:
+            self.console.line(record.console_line(self.cfg.epochs, self.task.rate_unit), always=True)
         log.info("epoch_end", **file_only(**record.to_json()))
         stop = self.stopper.update(record.val_acc)
-        if stop and self.console is not None:
-            self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
+        if stop and first and self.console is not None:
+            self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}", always=True)
         p.finished = stop or p.epoch >= self.cfg.epochs
 
     # ------------------------------------------------------------------ checkpoints

@@ -103,3 +103,40 @@ def test_replicas_that_resumed_meet_a_busy_one_at_the_position_not_just_the_step
     digests = {g: _done(job, g)["weights_sha256"] for g in (0, 1, 2)}
     assert len(set(digests.values())) == 1, f"the replicas ended with different weights: {json.dumps(digests)}"
     _assert_one_line_of_checkpoints(tmp_path / "ckpt")
+
+
+def test_a_replica_that_cannot_read_the_chosen_checkpoint_restarts_and_heals_and_the_job_goes_on(
+    tmp_path: Path,
+) -> None:
+    """One settler: participant 0 chooses the checkpoint, the others load that folder. A replica
+    whose read fails (EIO, injected at the read) leaves with exit 79, is restarted by its agent
+    and rejoins (healing, or choosing again); before, a checkpoint that failed to load on one
+    replica ended it with exit 2, and the agent then ended the whole job."""
+    first = Job(tmp_path, base_env({FAULTS: "preempt:rank=0:step=12"}))
+    try:
+        node = first.start("--nproc-per-node", "2", flags=FLAGS)
+        assert first.wait(node, timeout=200) == 75, first.output()
+    finally:
+        kill_tagged(first.env[TOKEN_VAR])
+    stopped = load((tmp_path / "ckpt" / "latest").resolve()).manifest.step
+    # Both replicas' first read of it fails once: whichever chooses (participant 0) or follows,
+    # and whoever formed the first quorum alone, every failing replica must restart and rejoin.
+    again = Job(tmp_path, base_env({FAULTS: f"load_error:rank=0:step={stopped},load_error:rank=1:step={stopped}"}))
+    try:
+        node = again.start("--nproc-per-node", "2", "--max-restarts", "3", name="node1", flags=FLAGS)
+        assert again.wait(node, timeout=200) == 0, again.output()
+    finally:
+        kill_tagged(again.env[TOKEN_VAR])
+    rejoined = {g: [r for r in again.log(g) if r["event"] == "rejoin"] for g in (0, 1)}
+    assert any(rejoined.values()), f"no replica left the quorum after a failed read\n{again.output()}"
+    for group, events in rejoined.items():
+        assert all("injected load_error" in r["reason"] for r in events), events
+        restarts = [r for g, _, r in node.workers() if g == group]
+        assert restarts == list(range(len(events) + 1)), f"group {group}: {node.workers()} after {events}"
+    final = load((tmp_path / "ckpt" / "latest").resolve())
+    assert final.manifest.finished and final.manifest.step == EPOCHS * STEPS
+    for epoch, record in enumerate(final.payload.app["history"]):
+        assert record["sample_digest"] == _expected_digest(epoch), f"epoch {epoch + 1}: samples skipped or repeated"
+    digests = {g: _done(again, g)["weights_sha256"] for g in (0, 1)}
+    assert len(set(digests.values())) == 1, digests
+    _assert_one_line_of_checkpoints(tmp_path / "ckpt")

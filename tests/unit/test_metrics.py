@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,3 +151,24 @@ def test_early_stop_on_patience_counts_epochs_without_improvement() -> None:
 def test_patience_zero_never_stops_on_patience() -> None:
     stopper = EarlyStopper(target_accuracy=1.0, patience=0)
     assert not any(stopper.update(0.5) for _ in range(50))
+
+
+def test_an_epoch_line_offered_by_every_replica_that_committed_is_written_once(tmp_path: Path) -> None:
+    """Quorum mode: each replica that committed an evaluation round offers its line; the round's
+    participant 0 may have failed its vote, so no single writer is trusted to be there."""
+    import json
+    import time
+
+    from elastic_train.distributed.env import DistEnv
+    from elastic_train.logs import MetricsFile
+
+    files = [MetricsFile(tmp_path, DistEnv(run_id="unit")) for _ in range(3)]
+    record = {"epoch": 1, "step": 20, "sample_digest": "ab", "val_acc": 0.5}
+    start = time.time()
+    written = [f.append_once(record, key=("epoch", "step", "sample_digest"), since=start - 1) for f in files[1:]]
+    assert written == [True, False]  # replica 0 failed its vote: replica 1 wrote it, replica 2 found it
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["epoch"] for line in lines] == [1]
+    # An earlier run's identical line (before this job started) does not stand for this job's.
+    assert files[0].append_once(record, key=("epoch", "step", "sample_digest"), since=time.time() + 1)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
