@@ -1,8 +1,9 @@
-"""``make gpu-check``: the CUDA + NCCL + AMP path on one machine with one NVIDIA GPU, in < 5 minutes.
+"""``make gpu-check``: the CUDA + NCCL + AMP path on a machine with NVIDIA GPUs, in < 5 minutes.
 
 The CPU machines that build and test elastic-train have no GPU; this script is what a machine
-with one runs. Each check prints one row of a pass/fail table; the exit code is the number of
-failed checks (0: all passed).
+with them runs. Each check prints one row of a pass/fail table.
+
+One process, one GPU:
 
 1. ``nccl-bf16``: torchrun, NCCL backend, ``--amp --amp-dtype bf16``, synthetic data, reaches
    the target accuracy (early stop on target).
@@ -15,10 +16,25 @@ failed checks (0: all passed).
 5. ``throughput``: elastic-train vs the bare DDP loop (benchmarks/bare_ddp.py) on the GPU, same
    model, batch and precision; the ratio of median epoch throughputs (>= 0.90 passes).
 
-    python benchmarks/gpu_check.py [--device cuda] [--json out.json]
+Two processes on GPUs 0 and 1, what a world of one cannot show:
 
-``--device cpu`` runs the same checks with gloo and bf16 on the CPU (slow, small): the test
-suite does so to keep this script working where no GPU is.
+6. ``nccl-bf16-2gpu``: check 1 at world 2: the gradients are averaged by an NCCL all-reduce.
+7. ``async-save-2gpu``: check 3 at world 2. Rank 1 saves its share of the tensors from cuda:1,
+   and its writer thread's current device starts as GPU 0 (the current device is per thread), so
+   a writer that does not bind to the state's device copies on the wrong stream.
+8. ``kill-resume-2gpu``: check 4 at world 2 with rank 1 (cuda:1) killed: rank 0, waiting in an
+   NCCL collective, must be torn down and both restarted; bitwise equal to an uninterrupted run.
+
+What runs where: with no GPU every row reads ``skipped: no GPU``; with one GPU checks 1-5 run and
+6-8 read ``skipped: needs 2 GPUs, 1 visible``; with two or more all run. The exit code is the
+number of failed checks; a skipped check is not a failure, so a 0 alone does not say that the GPU
+path was checked: the table and the last line (``N passed, N failed, N skipped``) do.
+
+    python benchmarks/gpu_check.py [--device cuda] [--json out.json] [--only CHECK ...]
+
+``--device cpu`` runs every check with gloo and bf16 on the CPU (slow, small, nothing skipped;
+the two-process checks run two CPU processes): the test suite does so to keep this script
+working where no GPU is.
 """
 
 from __future__ import annotations
@@ -31,19 +47,46 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=1"]
+BIN = Path(sys.executable).parent
+# Bounds each trainer, probe and baseline run (a hung NCCL collective ends as a failed row).
+RUN_TIMEOUT_S = 240
+
+
+class Result(str, Enum):
+    PASS = "pass"
+    FAIL = "FAIL"
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a check runs: the device kind, one process per GPU, a scratch folder of its own."""
+
+    device: str
+    processes: int
+    work: Path
+    quick: bool  # the CPU smoke run's tiny settings
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    processes: int
+    run: Callable[[Where], tuple[bool, str]]
 
 
 @dataclass
 class Check:
     name: str
-    passed: bool
+    result: Result
     detail: str
     seconds: float
 
@@ -56,75 +99,82 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _torchrun(processes: int, restarts: int = 1) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={processes}", f"--max-restarts={restarts}"]
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, env=_env(env), cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+
+
 def _trainer(
-    device: str, base: Path, args: list[str], env: dict[str, str] | None = None
+    where: Where, base: Path, args: list[str], env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        *TORCHRUN,
-        "--max-restarts=1",
-        "-m",
-        "elastic_train",
-        "--device",
-        device,
-        "--log-dir",
-        str(base / "logs"),
-        "--checkpoint-dir",
-        str(base / "ckpt"),
-        *args,
-    ]
-    return subprocess.run(cmd, env=_env(env), cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    folders = ["--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
+    return _run([*_torchrun(where.processes), "-m", "elastic_train", "--device", where.device, *folders, *args], env)
 
 
 def _tail(done: subprocess.CompletedProcess[str]) -> str:
     return (done.stdout + done.stderr)[-600:].replace("\n", " | ")
 
 
-def check_amp(device: str, dtype: str, work: Path, quick: bool) -> tuple[bool, str]:
+def check_amp(where: Where, dtype: str) -> tuple[bool, str]:
     """To the target accuracy; ``quick`` (the CPU smoke run) only checks that it trains."""
     args = ["--amp", "--amp-dtype", dtype, "--batch-size", "128"]
-    args += ["--epochs", "1", "--max-steps-per-epoch", "4", "--image-size", "16"] if quick else ["--epochs", "20"]
-    args += ["--target-accuracy", "1.0" if quick else "0.9"]
-    done = _trainer(device, work / f"amp-{dtype}", args)
-    expected_backend = "nccl" if device == "cuda" else "gloo"
-    expected_dtype = dtype if device == "cuda" else "bf16"
+    args += ["--epochs", "1", "--max-steps-per-epoch", "4", "--image-size", "16"] if where.quick else ["--epochs", "20"]
+    args += ["--target-accuracy", "1.0" if where.quick else "0.9"]
+    done = _trainer(where, where.work, args)
+    expected_backend = "nccl" if where.device == "cuda" else "gloo"
+    expected_dtype = dtype if where.device == "cuda" else "bf16"
     ok = (
         done.returncode == 0
+        and f"Training started with {where.processes} processes" in done.stdout
         and f"Backend: {expected_backend}" in done.stdout
         and f"precision: {expected_dtype}" in done.stdout
-        and (quick or "Early stopping" in done.stdout)
+        and (where.quick or "Early stopping" in done.stdout)
     )
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith(("Early stopping", "Epoch "))), "")
     return ok, line if ok else _tail(done)
 
 
-# A world of one with a launcher's variables, so the probe takes the launched code path.
-PROBE_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
+def check_async_save(where: Where) -> tuple[bool, str]:
+    """The trainer's own snapshot/save path in ``processes`` torchrun workers, then a byte compare.
+
+    Each worker writes what it saw to ``result-rank<r>.json`` (a file, not its console, so the
+    ranks' lines cannot interleave); every rank must report a commit and equal bytes, and at
+    world 2 rank 1 must have written tensors of its own from its own device."""
+    probe = [str(Path(__file__).resolve()), "--async-save-probe", where.device, str(where.work)]
+    probe += ["--quick"] if where.quick else []
+    done = _run([*_torchrun(where.processes, restarts=0), *probe])
+    results = [where.work / f"result-rank{r}.json" for r in range(where.processes)]
+    if done.returncode or not all(path.exists() for path in results):
+        return False, f"exit code {done.returncode}: {_tail(done)}"
+    return judge_probe([json.loads(path.read_text()) for path in results])
 
 
-def check_async_save(device: str, work: Path, quick: bool) -> tuple[bool, str]:
-    """In a subprocess: the trainer's own snapshot/save path on the device, then a byte compare."""
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--async-save-probe", device, str(work / "probe")],
-        env=_env(
-            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
-        ),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    return done.returncode == 0 and last.startswith("equal"), last or _tail(done)
+def judge_probe(results: Sequence[dict[str, Any]]) -> tuple[bool, str]:
+    """Pass when every rank committed and read back its snapshot byte for byte, and every rank
+    wrote a share of its own (at world 2: rank 1 from its device, not GPU 0)."""
+    for r in results:
+        if not r["committed"]:
+            return False, f"rank {r['rank']}: the async save was not committed"
+        if r["differ"]:
+            return False, f"rank {r['rank']}: written tensors differ from the snapshot: {r['differ'][:3]}"
+        if r["wrote"] == 0:
+            return False, f"rank {r['rank']} on {r['device']} wrote no tensors: its writer thread was not tested"
+    shares = ", ".join(f"rank {r['rank']} wrote {r['wrote']} from {r['device']}" for r in results)
+    return True, f"equal: {results[0]['tensors']} tensors ({shares})"
 
 
-def _async_save_probe(device: str, base: Path) -> int:
-    """Runs inside the probe subprocess (a world of one, launched=True)."""
+def _async_save_probe(device: str, base: Path, quick: bool) -> int:
+    """Runs in each torchrun worker of ``check_async_save``."""
     import torch
     from safetensors.torch import load_file
 
     from elastic_train.boundary import SavePolicy, StepBoundary
-    from elastic_train.checkpoint.format import latest_target
+    from elastic_train.checkpoint.format import latest_target, shard_name
     from elastic_train.checkpoint.manager import Checkpointer
     from elastic_train.cli import parse_config
     from elastic_train.data import open_task_data
@@ -134,7 +184,8 @@ def _async_save_probe(device: str, base: Path) -> int:
     from elastic_train.run import checkpoint_config, choose_task, run_fingerprint
     from elastic_train.trainer import Trainer
 
-    cfg = parse_config(["--device", device, "--amp", "--checkpoint-dir", str(base / "ckpt"), "--log-dir", str(base)])
+    args = ["--device", device, "--amp", "--checkpoint-dir", str(base / "ckpt"), "--log-dir", str(base)]
+    cfg = parse_config([*args, "--image-size", "16", "--batch-size", "32"] if quick else args)
     env = DistEnv.from_environ()
     placement = choose_placement(cfg.device, env)
     with process_group(env, placement, 120):
@@ -143,13 +194,14 @@ def _async_save_probe(device: str, base: Path) -> int:
         task = choose_task(cfg)
         data = open_task_data(task, cfg, env)
         fingerprint = run_fingerprint(cfg, task, data.identify(), builtin=cfg.task is None)
-        faults = FaultInjector.from_environ(0, base / ".faults")
+        faults = FaultInjector.from_environ(env.rank, base / ".faults")
         ck = Checkpointer(checkpoint_config(cfg), env, fingerprint, control.group, CheckpointFaults(faults))
         ck.start()
         # The boundary is what makes train_step wait for the staging copies before the optimizer
         # step; the probe starts the save itself, so nothing is due by policy.
         boundary = StepBoundary(ck, control, SavePolicy(), async_save=True, is_main=env.is_main)
         trainer = Trainer(cfg, env, placement, task, data, faults, boundary)
+        device_name = str(trainer.device)
         batches = iter(trainer.train_loader)
         for _ in range(3):
             *batch, _indices = next(batches)
@@ -166,79 +218,70 @@ def _async_save_probe(device: str, base: Path) -> int:
         ck.close()
         del trainer
     folder = latest_target(base / "ckpt")
-    if not committed or folder is None:
-        print("not committed")
-        return 1
     written: dict[str, torch.Tensor] = {}
-    for shard in folder.glob("shard-*.safetensors"):
-        written.update(load_file(shard))
-    differ = [k for k, v in expected.items() if not torch.equal(written[k], v)]
-    print(f"equal: {len(expected)} tensors" if not differ else f"differ: {differ[:3]}")
-    return 1 if differ else 0
+    own: list[str] = []
+    if committed and folder is not None:
+        for shard in folder.glob("shard-*.safetensors"):
+            written.update(load_file(shard))
+        own = [k for k in load_file(folder / shard_name(env.rank, env.world_size)) if k in expected]
+    differ = [k for k, v in expected.items() if k not in written or not torch.equal(written[k], v)]
+    result = {
+        "rank": env.rank,
+        "device": device_name,
+        "committed": bool(committed and folder is not None),
+        "tensors": len(expected),
+        "wrote": len(own),
+        "differ": differ,
+    }
+    (base / f"result-rank{env.rank}.json").write_text(json.dumps(result))
+    return 0 if result["committed"] and not differ else 1
 
 
-def _final_tensors(base: Path) -> dict[str, object]:
+def _final_tensors(base: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from elastic_train.checkpoint.format import latest_target
 
     folder = latest_target(base / "ckpt")
-    tensors: dict[str, object] = {}
+    tensors: dict[str, Any] = {}
     for shard in sorted(folder.glob("shard-*.safetensors")) if folder else []:
         tensors.update({k: v for k, v in load_file(shard).items() if k.startswith(("model.", "optim."))})
     return tensors
 
 
-def check_kill_resume(device: str, work: Path, quick: bool) -> tuple[bool, str]:
+def check_kill_resume(where: Where) -> tuple[bool, str]:
+    """The last rank (rank 1, on cuda:1, at world 2) is SIGKILLed mid-epoch 2; torchrun restarts
+    the workers from the last checkpoint; the end state must equal an uninterrupted run's."""
     import torch
 
-    steps = "4" if quick else "8"
+    steps = "4" if where.quick else "8"
     args = ["--deterministic", "--epochs", "2", "--max-steps-per-epoch", steps, "--target-accuracy", "1.0"]
     args += ["--patience", "0", "--checkpoint-every", "2", "--batch-size", "64"]
-    args += ["--image-size", "16"] if quick else []
-    reference = _trainer(device, work / "reference", args)
-    killed = _trainer(device, work / "killed", args, {"ELASTIC_TRAIN_FAULTS": f"kill:rank=0:step={int(steps) + 3}"})
+    args += ["--image-size", "16"] if where.quick else []
+    victim = where.processes - 1
+    fault = {"ELASTIC_TRAIN_FAULTS": f"kill:rank={victim}:step={int(steps) + 3}"}
+    reference = _trainer(where, where.work / "reference", args)
+    killed = _trainer(where, where.work / "killed", args, fault)
     if reference.returncode or killed.returncode:
         return False, f"exit codes {reference.returncode}/{killed.returncode}: {_tail(killed)}"
     if "Resumed from" not in killed.stdout:
-        return False, "the killed run did not resume from a checkpoint"
-    a, b = _final_tensors(work / "reference"), _final_tensors(work / "killed")
-    differ = [k for k in a if not isinstance(a[k], torch.Tensor) or not torch.equal(a[k], b.get(k))]  # type: ignore[arg-type]
+        return False, f"the run with rank {victim} killed did not resume from a checkpoint"
+    a, b = _final_tensors(where.work / "reference"), _final_tensors(where.work / "killed")
+    differ = [k for k in a if not isinstance(b.get(k), torch.Tensor) or not torch.equal(a[k], b[k])]
     ok = bool(a) and a.keys() == b.keys() and not differ
-    return ok, f"{len(a)} tensors bitwise equal" if ok else f"differ: {differ[:3]}"
+    return ok, f"rank {victim} killed; {len(a)} tensors bitwise equal" if ok else f"differ: {differ[:3]}"
 
 
 def _throughputs(lines: str) -> list[float]:
     return [float(ln.split("throughput=")[1].split()[0]) for ln in lines.splitlines() if "throughput=" in ln]
 
 
-def check_throughput(device: str, work: Path, quick: bool) -> tuple[bool, str]:
-    epochs, steps = ("3", "3") if quick else ("5", "40")
-    bare = subprocess.run(
-        [
-            *TORCHRUN,
-            str(ROOT / "benchmarks" / "bare_ddp.py"),
-            "--device",
-            device,
-            "--epochs",
-            epochs,
-            "--steps",
-            steps,
-            "--batch-size",
-            "256",
-        ],
-        env=_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    ours = _trainer(
-        device,
-        work / "throughput",
-        ["--epochs", epochs, "--max-steps-per-epoch", steps, "--batch-size", "256", "--target-accuracy", "1.0"],
-    )
+def check_throughput(where: Where) -> tuple[bool, str]:
+    epochs, steps = ("3", "3") if where.quick else ("5", "40")
+    shape = ["--epochs", epochs, "--batch-size", "256"]
+    bare_script = [str(ROOT / "benchmarks" / "bare_ddp.py"), "--device", where.device, "--steps", steps]
+    bare = _run([*_torchrun(where.processes, restarts=0), *bare_script, *shape])
+    ours = _trainer(where, where.work, [*shape, "--max-steps-per-epoch", steps, "--target-accuracy", "1.0"])
     bare_tp = [json.loads(ln)["throughput"] for ln in bare.stdout.splitlines() if ln.startswith("{")]
     ours_tp = _throughputs(ours.stdout)
     if len(bare_tp) < 2 or len(ours_tp) < 2:
@@ -248,50 +291,95 @@ def check_throughput(device: str, work: Path, quick: bool) -> tuple[bool, str]:
     return ratio >= 0.90, f"ratio {ratio:.3f} (ours {ours_median:.0f} img/s, bare {bare_median:.0f})"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+CHECKS = [
+    Spec("nccl-bf16", 1, lambda w: check_amp(w, "bf16")),
+    Spec("nccl-fp16", 1, lambda w: check_amp(w, "fp16")),
+    Spec("async-save", 1, check_async_save),
+    Spec("kill-resume", 1, check_kill_resume),
+    Spec("throughput", 1, check_throughput),
+    Spec("nccl-bf16-2gpu", 2, lambda w: check_amp(w, "bf16")),
+    Spec("async-save-2gpu", 2, check_async_save),
+    Spec("kill-resume-2gpu", 2, check_kill_resume),
+]
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def skip_reason(spec: Spec, device: str, gpus: int) -> str | None:
+    """Why ``spec`` cannot run here (one process per GPU), or None when it can. The CPU smoke
+    run starts its processes on the CPU, so it skips nothing."""
+    if device == "cpu":
+        return None
+    if gpus == 0:
+        return "no GPU"
+    if spec.processes > gpus:
+        return f"needs {spec.processes} GPUs, {gpus} visible"
+    return None
+
+
+def run_checks(specs: Sequence[Spec], device: str, gpus: int, work: Path, quick: bool) -> list[Check]:
+    """Each check in order, printed as it ends; a check that crashes is a failed row and the
+    others still run."""
+    results: list[Check] = []
+    for spec in specs:
+        start = time.monotonic()
+        reason = skip_reason(spec, device, gpus)
+        if reason is not None:
+            result, detail = Result.SKIPPED, f"skipped: {reason}"
+        else:
+            where = Where(device, spec.processes, work / spec.name, quick)
+            where.work.mkdir(parents=True, exist_ok=True)
+            try:
+                ok, detail = spec.run(where)
+            except Exception as exc:
+                ok, detail = False, f"{type(exc).__name__}: {exc}"
+            result = Result.PASS if ok else Result.FAIL
+        results.append(Check(spec.name, result, detail, time.monotonic() - start))
+        print(f"{spec.name:18s} {result.value:7s}  {results[-1].seconds:6.1f}s  {detail}", flush=True)
+    return results
+
+
+def summary(results: Sequence[Check]) -> str:
+    counts = {kind: sum(r.result is kind for r in results) for kind in Result}
+    reasons = {r.detail for r in results}
+    if results and counts[Result.SKIPPED] == len(results) and len(reasons) == 1:
+        return f"gpu-check {reasons.pop()} ({len(results)} of {len(results)} checks skipped: nothing was checked)"
+    return f"gpu-check: {counts[Result.PASS]} passed, {counts[Result.FAIL]} failed, {counts[Result.SKIPPED]} skipped"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true", help="small runs (the CPU smoke test uses it)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--only", action="append", default=None, help="run just this check (repeatable)")
     parser.add_argument("--async-save-probe", nargs=2, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.async_save_probe:
-        return _async_save_probe(args.async_save_probe[0], Path(args.async_save_probe[1]))
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("gpu-check: no CUDA device visible (use --device cpu for the CPU smoke run)", file=sys.stderr)
-            return 2
-    checks: list[tuple[str, Callable[[str, Path, bool], tuple[bool, str]]]] = [
-        ("nccl-bf16", lambda d, w, q: check_amp(d, "bf16", w, q)),
-        ("nccl-fp16", lambda d, w, q: check_amp(d, "fp16", w, q)),
-        ("async-save", check_async_save),
-        ("kill-resume", check_kill_resume),
-        ("throughput", check_throughput),
-    ]
+        return _async_save_probe(args.async_save_probe[0], Path(args.async_save_probe[1]), args.quick)
+    specs = CHECKS
     if args.only:
-        unknown = set(args.only) - {name for name, _ in checks}
+        unknown = set(args.only) - {spec.name for spec in CHECKS}
         if unknown:
-            parser.error(f"unknown check(s) {sorted(unknown)}")
-        checks = [(name, run) for name, run in checks if name in args.only]
-    results: list[Check] = []
+            parser.error(f"unknown check(s) {sorted(unknown)}; the checks are {[s.name for s in CHECKS]}")
+        specs = [spec for spec in CHECKS if spec.name in args.only]
+    gpus = visible_gpus() if args.device == "cuda" else 0
+    if args.device == "cuda":
+        print(f"gpu-check: {gpus} GPU(s) visible" + ("; --device cpu runs the CPU smoke mode" if not gpus else ""))
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        for name, run in checks:
-            start = time.monotonic()
-            try:
-                ok, detail = run(args.device, Path(tmp), args.quick)
-            except Exception as exc:  # a check that crashes is a failed row, the others still run
-                ok, detail = False, f"{type(exc).__name__}: {exc}"
-            results.append(Check(name, ok, detail, time.monotonic() - start))
-            print(f"{name:12s} {'PASS' if ok else 'FAIL'}  {results[-1].seconds:6.1f}s  {detail}", flush=True)
+        results = run_checks(specs, args.device, gpus, Path(tmp), args.quick)
     print("\n| check | result | seconds | detail |\n|---|---|---|---|")
     for r in results:
-        print(f"| {r.name} | {'pass' if r.passed else 'FAIL'} | {r.seconds:.1f} | {r.detail} |")
+        print(f"| {r.name} | {r.result.value} | {r.seconds:.1f} | {r.detail} |")
+    print(summary(results))
     if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
-    return sum(not r.passed for r in results)
+        rows = [{**r.__dict__, "result": r.result.value} for r in results]
+        args.json.write_text(json.dumps(rows, indent=2))
+    return sum(r.result is Result.FAIL for r in results)
 
 
 if __name__ == "__main__":
