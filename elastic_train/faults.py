@@ -13,6 +13,9 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
 * ``release`` (``:file=NAME[:until=NAME2]``): write the file NAME at the start of step S; with
   ``until``, wait for NAME2 just before this process next asks for a quorum. A hold and a
   release order two replicas' quorum requests exactly, without guessing at timings.
+* ``slow_link`` (``:bytes_per_s=N``): from step S on, this process enters quorum mode's
+  gradient average late by gradient bytes / N seconds, as over a link of that speed: its peers
+  wait in the collective that long, every step.
 * ``load_error``: reading the checkpoint of step S fails with EIO in this process (quorum
   mode's start of a line: one replica's storage hiccup).
 * ``kill_in_save`` (``:stage=before_shard|after_shard|after_manifest``) / ``enospc``: fired by
@@ -45,7 +48,8 @@ HANDSHAKE_TIMEOUT_S = 300.0  # a hold or release waits this long for its file, t
 HANDSHAKE_SETTLE_S = 0.2  # after a release's wait: the other process's next call is under way
 SAVE_KINDS = ("kill_in_save", "enospc", "slow_save")
 LOAD_KINDS = ("load_error",)
-KINDS = STEP_KINDS + SAVE_KINDS + LOAD_KINDS
+LINK_KINDS = ("slow_link",)
+KINDS = STEP_KINDS + SAVE_KINDS + LOAD_KINDS + LINK_KINDS
 HINT = f"write e.g. {ENV_VAR}='kill:rank=1:step=7,raise:rank=0:step=3:always'"
 
 log = structlog.get_logger(__name__)
@@ -93,6 +97,12 @@ def _parse_one(text: str) -> Fault:
         raise UsageError(f"{ENV_VAR}: need rank >= 0 and step >= 1 in {text!r}", HINT)
     if kind == "slow_save":
         _check_seconds(values.get("seconds"), text)
+    if kind == "slow_link":
+        try:
+            if not float(values.get("bytes_per_s", "")) > 0:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"{ENV_VAR}: slow_link needs bytes_per_s=<a positive number> in {text!r}", HINT) from None
     needs = {"hold": "until", "release": "file"}.get(kind)
     if needs is not None and not values.get(needs):
         raise UsageError(f"{ENV_VAR}: {kind} needs {needs}=<file name> in {text!r}", HINT)
@@ -187,6 +197,14 @@ class FaultInjector:
         self._wait_for(fault.params["until"], f"injected hold at step {step}")
         if "then" in fault.params:
             self._at_quorum.append(("write", fault.params["then"]))
+
+    def link_delay(self, nbytes: int, step: int) -> float:
+        """Seconds a ``slow_link`` fault adds before sending ``nbytes`` at ``step`` (0: none).
+        It is not claimed: a slow link stays slow, on every attempt and after restarts."""
+        for fault in self.faults:
+            if fault.kind == "slow_link" and step >= fault.step:
+                return nbytes / float(fault.params["bytes_per_s"])
+        return 0.0
 
     def before_quorum(self) -> None:
         """Quorum mode, just before this process asks for a quorum: what a ``hold`` or a

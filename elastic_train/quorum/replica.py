@@ -271,6 +271,12 @@ class Replica:
         identity.guard_quorum(self.manager, config.job, config.member_id, config.lighthouse)
 
     @property
+    def quorum_id(self) -> int:
+        """The id of the quorum the current attempt runs in (torchft reconfigures its process
+        group only when this changes)."""
+        return int(self.manager._quorum_id)
+
+    @property
     def committed_steps(self) -> int:
         """Steps this replica has committed (or healed to): the next step it trains."""
         return int(self.manager.current_step())
@@ -308,20 +314,27 @@ class Replica:
         share = schedule.share(batch, world, int(rank))
         return StepAttempt(step, world, int(rank), share, heal, seconds)
 
-    def average(self, tensors: Sequence[torch.Tensor]) -> bool:
+    def average(self, tensors: Sequence[torch.Tensor], timeout_s: float | None = None) -> bool:
         """Average ``tensors`` in place over the attempt's participants, in one collective.
 
         Returns False when the collective failed (a peer died or timed out): the tensors are
         then garbage and the attempt must not be committed (``commit`` will vote False).
+        ``timeout_s``: how long to wait for the slowest peer (``sum``); the gradients of a large
+        model take longer than ``collective_timeout_s`` (``timeouts.GradientBound``).
         """
         if not tensors:
             return True
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        # Manager.allreduce catches the failure, records it for the commit vote and returns a
-        # work whose wait() is False; later collectives of the attempt are skipped.
-        self.manager.allreduce(flat).wait()
-        if self.manager.errored() is not None:
-            return False
+        if timeout_s is None:
+            # Manager.allreduce catches the failure, records it for the commit vote and returns a
+            # work whose wait() is False; later collectives of the attempt are skipped.
+            self.manager.allreduce(flat).wait()
+            if self.manager.errored() is not None:
+                return False
+        else:  # SUM then divide, as Manager.allreduce's average does, with this call's own bound
+            if not self.sum(flat, timeout_s=timeout_s):
+                return False
+            flat.div_(int(self.manager.num_participants()))
         offset = 0
         with torch.no_grad():
             for t in tensors:
@@ -354,6 +367,11 @@ class Replica:
             return False
         return True
 
+    def refuse(self, reason: str) -> None:
+        """Make this attempt's commit vote fail (the participants disagree on something the
+        attempt relies on); the rest of its collectives are skipped."""
+        self.manager.report_error(RuntimeError(f"attempt refused: {reason}"))
+
     def discard(self, step: int, reason: str) -> None:
         """End the current attempt without training: every participant must call it with the
         same ``step``, which the next quorum starts from (e.g. all of them loaded a checkpoint
@@ -362,7 +380,9 @@ class Replica:
         self.manager.should_commit()
         self.manager.load_state_dict({"step": step, "batches_committed": step * int(self.manager.num_participants())})
 
-    def average_gradients(self, parameters: Iterable[nn.Parameter], extras: Sequence[torch.Tensor] = ()) -> bool:
+    def average_gradients(
+        self, parameters: Iterable[nn.Parameter], extras: Sequence[torch.Tensor] = (), timeout_s: float | None = None
+    ) -> bool:
         """The data-parallel gradient average (what DDP does), plus ``extras`` (e.g. metric
         sums) in the same collective. A parameter without a gradient contributes zeros, so
         every participant sends the same layout."""
@@ -370,7 +390,7 @@ class Replica:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        return self.average([*(p.grad for p in params if p.grad is not None), *extras])
+        return self.average([*(p.grad for p in params if p.grad is not None), *extras], timeout_s=timeout_s)
 
     def commit(self, apply: Callable[[], None]) -> bool:
         """Vote on the attempt; when every participant finished it, run ``apply`` (optimizer,
@@ -386,11 +406,6 @@ class Replica:
         try:
             apply()
         except BaseException:
-    def refuse(self, reason: str) -> None:
-        """Make this attempt's commit vote fail (the participants disagree on something the
-        attempt relies on); the rest of its collectives are skipped."""
-        self.manager.report_error(RuntimeError(f"attempt refused: {reason}"))
-
             traceback.print_exc()
             print(
                 f"replica {self.config.replica_id}: failed after committing step {self.committed_steps - 1}; "

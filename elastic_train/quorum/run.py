@@ -31,6 +31,7 @@ from elastic_train.outcome import ExitCode, stop_marker, write_marker
 from elastic_train.quorum import warm
 from elastic_train.quorum.names import GROUPS_VAR
 from elastic_train.quorum.replica import Replica, ReplicaConfig
+from elastic_train.quorum.timeouts import phase_bounds
 from elastic_train.quorum.trainer import QuorumTrainer, Rejoin
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
@@ -50,6 +51,7 @@ def replica_config(cfg: TrainConfig) -> ReplicaConfig:
     group = os.environ.get("REPLICA_GROUP_ID", "0")
     if not group.isdigit():
         raise UsageError(f"REPLICA_GROUP_ID={group!r} is not a group index", "number the replica groups 0, 1, 2, ...")
+    bounds = phase_bounds(cfg.hang_timeout)  # UsageError: a watchdog too short for a quorum and a heal
     try:
         return ReplicaConfig(
             cfg.lighthouse,
@@ -57,11 +59,12 @@ def replica_config(cfg: TrainConfig) -> ReplicaConfig:
             # A dead peer's closed socket fails a collective at once; a frozen one (SIGSTOP, a cut
             # network) holds it until this timeout: the survivors' cost of a node loss.
             collective_timeout_s=cfg.peer_timeout,
-            # Inside the step watchdog's limit (it beats before every quorum), else 60 s.
-            quorum_timeout_s=max(10.0, 0.8 * cfg.hang_timeout) if cfg.hang_timeout else 60.0,
+            # A quorum wait and the heal after it are one phase for the step watchdog (it beats
+            # before each quorum): both end inside its limit (``phase_bounds``).
+            quorum_timeout_s=bounds.quorum_s,
             # The state transfer to a healing peer (and the sender's wait for it): grows with the
             # state; torchft's default 10 s would fail a multi-GB heal.
-            timeout_s=max(10.0, 0.5 * cfg.hang_timeout),
+            timeout_s=bounds.heal_s,
         )
     except ValueError as exc:
         raise UsageError(str(exc), "pass --lighthouse http://host:port") from None

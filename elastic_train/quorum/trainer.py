@@ -77,6 +77,7 @@ from elastic_train.quorum.agreement import (
 )
 from elastic_train.quorum.replica import Replica, StepAttempt
 from elastic_train.quorum.schedule import QuorumSchedule
+from elastic_train.quorum.timeouts import WaitBound
 from elastic_train.resilience.goodput import Accounting
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
@@ -234,6 +235,17 @@ class QuorumTrainer:
             else build_schedule(cfg, self.optimizer, self.total_steps)
         )
         self.precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
+        # The gradient average's wait follows the model (timeouts.GradientBound), inside the
+        # watchdog's limit like the evaluation round's.
+        # How long an attempt's collectives wait for peers, each measured on its own: the first
+        # (the exchange) waits for the slowest peer's forward and backward, the gradient average
+        # for the gradients to cross the slowest link.
+        self.exchange_bound = WaitBound(cfg.peer_timeout, self.eval_timeout_s)
+        self.gradient_bound = WaitBound(cfg.peer_timeout, self.eval_timeout_s)
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
+        # The quorum id of an attempt whose collective failed: gloo's group is then broken until
+        # the quorum changes, which torchft 0.2.0 does only when the membership does.
+        self._broken_group: int | None = None
         # A heal's load_state_dict and the optimizer step wait for a running save's copies.
         checkpointer.guard(self.module, self.optimizer)
         self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
@@ -307,6 +319,22 @@ class QuorumTrainer:
                 f"({self.position().describe()}, i.e. step {self.commits}): its state is not trusted"
             )
 
+    def _leave_a_broken_group(self, replica: Replica, attempt: StepAttempt) -> None:
+        """A collective of the last attempt failed with every peer alive (a wait ran into its
+        bound): gloo closed the connections, and torchft reconfigures the group only when the
+        quorum changes, so every later collective of this membership would fail at once (a
+        discard storm). The quorum's last participant leaves (restarted, it heals), which
+        changes the quorum; the others reconfigure with it."""
+        broken, self._broken_group = self._broken_group, None
+        if broken is None or replica.quorum_id != broken or attempt.world < 2:
+            return
+        if attempt.rank == attempt.world - 1:
+            raise Rejoin(
+                f"a collective of quorum {broken} failed with every participant alive and the quorum did not "
+                "change: its process group is broken; leaving so that the quorum re-forms (raise --peer-timeout "
+                "if this repeats)"
+            )
+
     def _exchange(
         self, replica: Replica, attempt: StepAttempt, stats: torch.Tensor, timeout_s: float | None = None
     ) -> torch.Tensor | None:
@@ -316,8 +344,16 @@ class QuorumTrainer:
         commits, and a participant that differs from participant 0 raises ``Rejoin``."""
         block = position_block(self.position(), attempt.rank, attempt.world)
         both = torch.cat([stats, block])
-        if not replica.sum(both, timeout_s=timeout_s):
+        bound = timeout_s if timeout_s is not None else self.exchange_bound.seconds()
+        began = time.perf_counter()
+        if not replica.sum(both, timeout_s=bound):
+            log.info("exchange_failed", bound_s=round(bound, 3), after_s=round(time.perf_counter() - began, 3))
+            if timeout_s is None:
+                self.exchange_bound.failed(time.perf_counter() - began)
+            self._broken_group = replica.quorum_id
             return None
+        if timeout_s is None:
+            self.exchange_bound.record(time.perf_counter() - began)
         try:
             disagreement = check(decode(both[stats.numel() :], attempt.world), attempt.rank)
         except ValueError as exc:  # a row written by none or by two: the membership is not what we think
@@ -386,12 +422,29 @@ class QuorumTrainer:
         mine = stats.clone()
         # First the positions (and the sums): gradients of different global batches are never averaged.
         summed = self._exchange(replica, attempt, stats)
-        if summed is None or not replica.average_gradients(self.module.parameters()):
+        if summed is None or not self._average_gradients(replica):
             self._salvage = _Salvage(share.step, attempt.world, share.indices, mine)
             return None
         if self._buffers and not self._sync_buffers(replica, attempt):
             return None
         return summed
+
+    def _average_gradients(self, replica: Replica) -> bool:
+        bound = self.gradient_bound.seconds()
+        if self.faults is not None:  # a slow link on this replica: its peers wait in the average
+            time.sleep(self.faults.link_delay(self.gradient_bytes, self.train_step + 1))
+        began = time.perf_counter()
+        if not replica.average_gradients(self.module.parameters(), timeout_s=bound):
+            after = time.perf_counter() - began
+            self.gradient_bound.failed(after)
+            self._broken_group = replica.quorum_id
+            log.info("gradient_average_failed", bound_s=round(bound, 3), after_s=round(after, 3))
+            return False
+        took = time.perf_counter() - began
+        self.gradient_bound.record(took)
+        if took > self.cfg.peer_timeout:  # a flat --peer-timeout would have failed this one
+            log.info("gradient_average_slow", seconds=round(took, 3), bound_s=round(bound, 3))
+        return True
 
     def _sync_buffers(self, replica: Replica, attempt: StepAttempt) -> bool:
         """Participant 0's buffers become everyone's, as DDP broadcasts rank 0's: a SUM where
@@ -399,7 +452,8 @@ class QuorumTrainer:
         flat = torch.cat([b.detach().reshape(-1).to(torch.float64).cpu() for b in self._buffers])
         if attempt.rank != 0:
             flat.zero_()
-        if not replica.sum(flat):
+        if not replica.sum(flat, timeout_s=self.exchange_bound.seconds()):
+            self._broken_group = replica.quorum_id
             return False
         self._synced_buffers = flat
         return True
@@ -438,7 +492,7 @@ class QuorumTrainer:
         wall_start = time.perf_counter()
         first = True
         since = last_commit = time.perf_counter()  # a step's training time counts its discarded attempts
-        world, discarded = 0, 0
+        world, discarded, quorum_id = 0, 0, -1
         while True:
             if self.watchdog is not None:  # waiting for a quorum (bounded by the quorum timeout)
                 self.watchdog.beat(self.train_step, "quorum")
@@ -446,6 +500,11 @@ class QuorumTrainer:
                 self.faults.before_quorum()
             attempt = replica.begin_step(self.schedule, lambda: self.train_step)
             self._check_step(replica)
+            self._leave_a_broken_group(replica, attempt)
+            if replica.quorum_id != quorum_id:
+                quorum_id = replica.quorum_id
+                self.exchange_bound.new_membership()
+                self.gradient_bound.new_membership()
             if attempt.heal is not None:
                 heal = attempt.heal
                 log.info("healed", from_step=heal.from_step, to_step=heal.to_step, seconds=round(heal.seconds, 3))
@@ -526,7 +585,10 @@ class QuorumTrainer:
         if attempt.rank == 0:
             choice, loaded = self._choose_line()
         block = choice.block() if choice is not None else empty_block()
-        if not replica.sum(block):
+        # Waits for participant 0's choice (it reads and verifies the checkpoint): the bound of
+        # the watchdog's limit, as an evaluation round's.
+        if not replica.sum(block, timeout_s=self.eval_timeout_s):
+            self._broken_group = replica.quorum_id
             replica.discard(step=0, reason="the start of the line was not agreed")
             return True
         try:
