@@ -1,8 +1,10 @@
-"""The Checkpointer owns the staging contract (issue 17, 2): while an async save copies the
-model and optimizer, nothing changes them in place, whoever calls. A quorum heal is torchft
-calling ``load_state_dict`` on the registered state from inside ``start_quorum``; before, only
-the trainer's own call sites waited, and a heal landing mid-copy committed a checkpoint holding
-two steps' weights under valid checksums."""
+"""What quorum mode relies on from the Checkpointer, held by the Checkpointer (issue 17, 2, 3).
+
+The staging contract: while an async save copies the model and optimizer, nothing changes them
+in place, whoever calls. A quorum heal is torchft calling ``load_state_dict`` on the registered
+state from inside ``start_quorum``; before, only the trainer's own call sites waited, and a heal
+landing mid-copy committed a checkpoint holding two steps' weights under valid checksums. The
+one settler: a quorum's settle never abandons what another replica of the job committed."""
 
 from __future__ import annotations
 
@@ -112,3 +114,31 @@ def test_the_guard_also_holds_the_optimizer_step_and_any_guarded_load(tmp_path: 
         act()
         assert waited and waited[-1] == what, f"{what} did not wait for the copy"
         timer.join()
+
+
+def test_a_quorum_settler_never_abandons_a_checkpoint_another_replica_committed_while_it_loaded(
+    tmp_path: Path,
+) -> None:
+    """Issue 17, 3: a slow loader (participant 0 of a quorum at step 0) chose step 2; while it
+    loaded, another replica of the job committed step 4. Restart mode's settle would move step 4
+    aside as an abandoned future and point ``latest`` back at step 2; quorum mode's refuses to
+    settle (``NewerCommitted``) with nothing on disk changed, and the next choice is step 4."""
+    from elastic_train.checkpoint.manager import NewerCommitted, choose_checkpoint
+
+    model, optimizer = _model()
+    cfg = CheckpointConfig(root=tmp_path, keep_last=10)
+    saver = Checkpointer(cfg, DistEnv(run_id="unit"), {"m": 1})
+    saver.start()
+    assert saver.save(capture(Position(2, 0, 2, False), model, optimizer, device=torch.device("cpu")), sync=True)
+    slow = Checkpointer(cfg, DistEnv(run_id="unit"), {"m": 1})
+    chosen = choose_checkpoint(cfg, slow.fingerprint)  # the slow replica chooses step 2 ...
+    assert chosen.folder is not None and chosen.folder.name == "step-00000002"
+    assert saver.save(capture(Position(4, 0, 4, False), model, optimizer, device=torch.device("cpu")), sync=True)
+    before = sorted(p.name for p in tmp_path.iterdir()), (tmp_path / "latest").resolve()
+    with pytest.raises(NewerCommitted, match="step-00000004"):  # ... and settles after step 4's commit
+        slow.settle(chosen, keep_newer=True)
+    assert (sorted(p.name for p in tmp_path.iterdir()), (tmp_path / "latest").resolve()) == before
+    again = choose_checkpoint(cfg, slow.fingerprint)
+    assert again.folder is not None and again.folder.name == "step-00000004"
+    assert slow.settle(again, keep_newer=True) == saver.timeline
+    saver.close()
