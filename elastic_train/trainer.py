@@ -189,6 +189,8 @@ class Trainer:
         self.extra: ExtraState | None = task.extra_state(module) if task.extra_state is not None else None
         seed_everything(cfg.seed + env.rank)
         self.optimizer = task.optimizer(module) if task.optimizer is not None else build_optimizer(cfg, module)
+        if self.checkpointer is not None:  # the optimizer step and any load wait for a save's copies
+            self.checkpointer.guard(module, self.optimizer)
         self.total_steps = cfg.epochs * self.sampler.batches_per_epoch
         self.scheduler = (
             task.scheduler(self.optimizer, self.total_steps)
