@@ -64,6 +64,8 @@ __all__ = [
     "run",
     "shared_once",
     "spawn_ranks",
+    "state_summary",
+    "summary_drift",
     "tagged",
     "torchrun",
     "wait_all",
@@ -262,3 +264,53 @@ def shared_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None])
             return folder
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# A compact, portable summary of trained weights (tests/process/test_seed_path_pinned.py): per
+# floating tensor its element count, float64 sum, sum of absolute values and sum of squares; an
+# integer tensor (BatchNorm's step counter) by its exact values.
+Summary = dict[str, list[float] | list[int]]
+SUMMARY_STATS = ("sum", "abs_sum", "sum_sq")
+
+
+def state_summary(checkpoints: Path, prefixes: tuple[str, ...] = ("model.",)) -> Summary:
+    """The ``latest`` checkpoint's tensors under ``prefixes``, summarised by ``Summary``'s rule."""
+    folder = (checkpoints / "latest").resolve()
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("shard-*.safetensors")):
+        tensors.update({k: v for k, v in load_file(shard).items() if k.startswith(prefixes)})
+    assert tensors, f"no tensors under {prefixes} in {folder}"
+    summary: Summary = {}
+    for name in sorted(tensors):
+        value = tensors[name]
+        if not value.is_floating_point():
+            summary[name] = [int(v) for v in value.flatten().tolist()]
+            continue
+        x = value.detach().double().flatten()
+        summary[name] = [float(x.numel()), x.sum().item(), x.abs().sum().item(), x.pow(2).sum().item()]
+    return summary
+
+
+def summary_drift(reference: Summary, got: Summary) -> dict[str, float]:
+    """How far ``got`` is from ``reference``, per statistic, as the largest over the tensors of:
+    the change of the sum and of the abs-sum over ``n * rms`` (the reference tensor's element
+    count times its root mean square: 1.0 is every element moved by its typical size), and the
+    relative change of the sum of squares. ``int_mismatch`` is 1.0 when an integer tensor
+    differs at all. A different tensor set is an ``AssertionError`` naming the difference."""
+    assert reference.keys() == got.keys(), (
+        f"tensor names differ: missing {sorted(reference.keys() - got.keys())[:5]}, "
+        f"extra {sorted(got.keys() - reference.keys())[:5]}"
+    )
+    drift = dict.fromkeys((*SUMMARY_STATS, "int_mismatch"), 0.0)
+    for name, ref in reference.items():
+        new = got[name]
+        if all(isinstance(v, int) for v in ref):
+            drift["int_mismatch"] = max(drift["int_mismatch"], float(ref != new))
+            continue
+        assert len(new) == 4 and new[0] == ref[0], f"{name}: {new[0]} elements, the reference has {ref[0]}"
+        count, total, abs_total, squares = ref
+        scale = max(count * (squares / count) ** 0.5, 1e-30)
+        drift["sum"] = max(drift["sum"], abs(new[1] - total) / scale)
+        drift["abs_sum"] = max(drift["abs_sum"], abs(new[2] - abs_total) / scale)
+        drift["sum_sq"] = max(drift["sum_sq"], abs(new[3] - squares) / max(squares, 1e-30))
+    return drift
