@@ -16,7 +16,10 @@ authentication: anyone who reaches the Lighthouse or a replica could run code in
   reading a byte of it: a peer without the secret cannot make a replica load anything).
 
 Limits: the secret authenticates, it does not encrypt: the weights cross the network in clear.
-A signed request can be replayed by whoever sees it, for the same step's state only.
+A signed request can be replayed by whoever sees it, for the same step's state only. Cost,
+measured on the 2-core machine for ResNet-18 with AdamW (134 MiB): a heal takes 0.8 s (the
+source encodes and signs in ~0.4 s inside its quorum, the healer fetches, verifies and decodes in
+~0.4 s), against 0.25 s for torchft's pickle stream; the body is held once in memory per side.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 MAGIC = b"ETSTATE1"  # the body's first bytes: format and version
 _LENGTH = struct.Struct("<Q")  # the JSON header's length, after MAGIC
+HEAD_BYTES = len(MAGIC) + _LENGTH.size
 SIGNATURE_HEADER = "X-Elastic-Train-Signature"
 PATH_PREFIX = "/state/"
 
@@ -62,9 +66,7 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         name = f"t{len(tensors)}"
-        # A copy of its own: safetensors refuses tensors that share storage, and the bytes must
-        # be those of this moment whatever the trainer does next.
-        tensors[name] = value.detach().to("cpu", copy=True).contiguous()
+        tensors[name] = _own_storage(value.detach().to("cpu").contiguous(), tensors)
         return {"$tensor": name}
     if isinstance(value, tuple):
         return {"$tuple": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
@@ -82,6 +84,17 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
         f"state {where} is a {type(value).__name__}: the heal transfer carries tensors, None, bools, ints, "
         "floats, strings, lists, tuples and dicts only; convert it in the state function you registered"
     )
+
+
+def _own_storage(tensor: torch.Tensor, others: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``tensor``, or a copy when it shares storage with one already taken (tied weights):
+    safetensors refuses shared storage. No other copy: serializing copies the bytes anyway,
+    before ``send_checkpoint`` returns, so what is served is the state of that moment."""
+    if tensor.untyped_storage().nbytes() == 0:
+        return tensor
+    pointer = tensor.untyped_storage().data_ptr()
+    shared = any(o.untyped_storage().nbytes() and o.untyped_storage().data_ptr() == pointer for o in others.values())
+    return tensor.clone() if shared else tensor
 
 
 def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
@@ -112,25 +125,31 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
     raise ValueError(f"not a state tree node: {str(node)[:80]}")
 
 
-def encode_state(state: Any) -> bytes:
-    """``state`` as bytes: MAGIC, the JSON tree's length and the tree, then the safetensors blob."""
+def encode_parts(state: Any) -> tuple[bytes, bytes]:
+    """``state`` as the body's two parts, sent one after the other: MAGIC, the JSON tree's
+    length and the tree; then the safetensors blob (kept apart: no copy of it is concatenated)."""
     tensors: dict[str, torch.Tensor] = {}
     tree = json.dumps(_encode(state, tensors, "state"), separators=(",", ":")).encode()
-    return MAGIC + _LENGTH.pack(len(tree)) + tree + save_tensors(tensors)
+    return MAGIC + _LENGTH.pack(len(tree)) + tree, save_tensors(tensors)
 
 
-def decode_state(body: bytes) -> Any:
-    """The inverse of ``encode_state``; ``ValueError`` for anything it did not write. Reads JSON
-    and safetensors only: nothing in ``body`` is ever executed."""
-    head = len(MAGIC) + _LENGTH.size
-    if not body.startswith(MAGIC) or len(body) < head:
-        raise ValueError(f"not an elastic-train state (its first bytes are {body[:8]!r}, expected {MAGIC!r})")
-    (length,) = _LENGTH.unpack_from(body, len(MAGIC))
-    if head + length > len(body):
-        raise ValueError(f"state truncated: its tree needs {length} bytes, {len(body) - head} follow")
+def encode_state(state: Any) -> bytes:
+    return b"".join(encode_parts(state))
+
+
+def split_head(head: bytes) -> int:
+    """The tree's length from the body's first ``HEAD_BYTES``; ``ValueError`` if not ours."""
+    if len(head) < HEAD_BYTES or not head.startswith(MAGIC):
+        raise ValueError(f"not an elastic-train state (its first bytes are {head[:8]!r}, expected {MAGIC!r})")
+    return int(_LENGTH.unpack_from(head, len(MAGIC))[0])
+
+
+def decode_parts(tree_json: bytes, blob: bytes) -> Any:
+    """The state from its JSON tree and safetensors blob. Reads JSON and safetensors only:
+    nothing received is ever executed; ``ValueError`` for anything ``encode_parts`` did not write."""
     try:
-        tree = json.loads(body[head : head + length])
-        tensors = load_tensors(body[head + length :])
+        tree = json.loads(tree_json)
+        tensors = load_tensors(blob)
         used: set[str] = set()
         state = _decode(tree, tensors, used)
     except (TypeError, KeyError, IndexError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as exc:
@@ -138,6 +157,14 @@ def decode_state(body: bytes) -> Any:
     if used != set(tensors):
         raise ValueError(f"state carries tensors its tree never names: {sorted(set(tensors) - used)[:5]}")
     return state
+
+
+def decode_state(body: bytes) -> Any:
+    """The inverse of ``encode_state``."""
+    length = split_head(body[:HEAD_BYTES])
+    if HEAD_BYTES + length > len(body):
+        raise ValueError(f"state truncated: its tree needs {length} bytes, {len(body) - HEAD_BYTES} follow")
+    return decode_parts(body[HEAD_BYTES : HEAD_BYTES + length], body[HEAD_BYTES + length :])
 
 
 # ----------------------------------------------------------------------------- signatures
@@ -152,8 +179,14 @@ def request_signature(secret: bytes, path: str) -> str:
     return _sign(secret, b"GET", path.encode())
 
 
-def body_signature(secret: bytes, step: int, body: bytes) -> str:
-    return _sign(secret, b"STATE", str(step).encode(), body)
+def body_signature(secret: bytes, step: int, *body: bytes) -> str:
+    """The signature of a body served for ``step``, given whole or in consecutive parts."""
+    mac = hmac.new(
+        secret, _LENGTH.pack(5) + b"STATE" + _LENGTH.pack(len(str(step))) + str(step).encode(), hashlib.sha256
+    )
+    for part in body:  # the body comes last: unprefixed, its parts sign as their concatenation
+        mac.update(part)
+    return mac.hexdigest()
 
 
 # ------------------------------------------------------------------------------ transport
@@ -163,10 +196,10 @@ class _Staged:
     def __init__(self) -> None:
         self.ready = threading.Condition()
         self.step = -1
-        self.body: bytes | None = None
+        self.body: tuple[bytes, bytes] | None = None  # encode_parts
         self.signature = ""
 
-    def wait_for(self, step: int, timeout_s: float) -> tuple[bytes, str] | None:
+    def wait_for(self, step: int, timeout_s: float) -> tuple[tuple[bytes, bytes], str] | None:
         """The body of ``step`` once staged (a healer may ask before its source staged it)."""
         with self.ready:
             self.ready.wait_for(lambda: self.body is not None and self.step >= step, timeout=timeout_s)
@@ -198,10 +231,10 @@ class SignedStateTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore
         return f"http://{host}:{self.port}{PATH_PREFIX}"
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict[str, Any], timeout: timedelta) -> None:
-        body = encode_state(state_dict)
+        body = encode_parts(state_dict)
+        signature = body_signature(self._secret, step, *body)
         with self._staged.ready:
-            self._staged.step, self._staged.body = step, body
-            self._staged.signature = body_signature(self._secret, step, body)
+            self._staged.step, self._staged.body, self._staged.signature = step, body, signature
             self._staged.ready.notify_all()
 
     def disallow_checkpoint(self) -> None:
@@ -216,17 +249,17 @@ class SignedStateTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore
         try:
             with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
                 signature = response.headers.get(SIGNATURE_HEADER, "")
-                body = response.read()
+                parts = _read_parts(response)
         except urllib.error.HTTPError as exc:
             why = "it does not share this job's secret" if exc.code == 403 else exc.reason
             raise StateTransferError(f"the peer at {url} refused the state transfer ({exc.code}: {why})") from None
-        if not hmac.compare_digest(signature, body_signature(self._secret, step, body)):
+        if not hmac.compare_digest(signature, body_signature(self._secret, step, *parts)):
             raise StateTransferError(
                 f"the state from {url} is not signed with this job's secret: refused unread (a peer of "
                 "another job, or something else answering at that address)"
             )
         try:
-            state = decode_state(body)
+            state = decode_parts(parts[1], parts[2]) if len(parts) == 3 else decode_state(parts[0])
         except ValueError as exc:
             raise StateTransferError(f"the state from {url} is malformed: {exc}") from None
         if not isinstance(state, dict) or set(state) != {"user", "torchft"}:
@@ -243,6 +276,17 @@ class SignedStateTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore
             self._thread.join()
         else:  # serve_forever notices within its 0.5 s poll; nobody waits for that
             threading.Thread(target=stop, daemon=True).start()
+
+
+def _read_parts(response: Any) -> list[bytes]:
+    """The body as (head, tree, blob) when its head is ours, else as it came: each part read
+    into its own buffer (no slice of a large body is copied). Nothing here interprets it."""
+    first = response.read(HEAD_BYTES)
+    try:
+        length = split_head(first)
+    except ValueError:
+        return [first + response.read()]
+    return [first, response.read(length), response.read()]
 
 
 def _server(bind: str, transport: SignedStateTransport) -> ThreadingHTTPServer:
@@ -264,13 +308,14 @@ def _server(bind: str, transport: SignedStateTransport) -> ThreadingHTTPServer:
             if staged_state is None:
                 self.send_error(409, f"step {step_text} is not the state served now (step {staged.step})")
                 return
-            body, signature = staged_state
+            (head, blob), signature = staged_state
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(head) + len(blob)))
             self.send_header(SIGNATURE_HEADER, signature)
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(head)
+            self.wfile.write(blob)
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # every transfer is logged by the heal already

@@ -151,6 +151,21 @@ def test_a_real_model_adamw_and_scheduler_state_round_trips_bitwise_and_loads(jo
     torch.optim.AdamW(model.parameters()).load_state_dict(got["user"]["optimizer"])
 
 
+def test_tied_tensors_and_views_round_trip_and_what_is_served_is_the_state_when_staged(job_env: None) -> None:
+    weight = torch.arange(12.0).reshape(3, 4)
+    state = {"user": {"tied": {"a": weight, "b": weight, "column": weight[:, 1]}}, "torchft": {"step": 2}}
+    sender, receiver = transport(), transport()
+    try:
+        sender.send_checkpoint([1], 2, state, TIMEOUT)
+        weight.add_(100)  # the trainer goes on after staging
+        got = receiver.recv_checkpoint(0, sender.metadata(), 2, TIMEOUT)
+    finally:
+        sender.shutdown(), receiver.shutdown()
+    assert torch.equal(got["user"]["tied"]["a"], torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(got["user"]["tied"]["b"], got["user"]["tied"]["a"])
+    assert torch.equal(got["user"]["tied"]["column"], torch.tensor([1.0, 5.0, 9.0]))
+
+
 def test_a_state_that_json_cannot_carry_is_refused_naming_where_it_is() -> None:
     with pytest.raises(TypeError, match=r"state\['user'\]\['extra'\]\['seen'\] is a set"):
         encode_state({"user": {"extra": {"seen": {1, 2}}}})
