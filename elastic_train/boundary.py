@@ -6,6 +6,11 @@ collective deadlocks: stop now (a signal reached some rank), commit the async sa
 ``StepBoundary`` takes them all, from one agreement per step, and returns them as a named
 ``Decision``; the training loop only supplies a snapshot of its state when one is needed.
 
+A run whose checkpoint lock another job took over (``CheckpointLock.was_lost``: its lock had
+gone stale) can commit nothing more: every rank raises ``DirectoryLost`` at the boundary where
+that is agreed, so no rank trains on without checkpoints (the caller exits
+``ExitCode.LOCK_LOST``).
+
 The agreement is a MAX all-reduce of each rank's ``Votes`` on the ``ControlPlane``'s gloo
 group, posted at one boundary and collected at the next, so it overlaps the step in between:
 decisions take effect one step after the vote, the same step everywhere. Only while a save is
@@ -64,14 +69,27 @@ class Votes:
     stop: StopKind = StopKind.NONE  # the strongest stop this rank was asked for (PREEMPT > STOP)
     save_due: bool = False  # rank 0's clock: a timed save is due (other ranks vote False)
     shard_pending: bool = False  # this rank's shard of the save in flight is not durable yet
+    lock_lost: bool = False  # rank 0: another job took the directory's lock over
 
     def encode(self) -> list[int]:
-        return [int(self.stop), int(self.save_due), int(self.shard_pending)]
+        return [int(self.stop), int(self.save_due), int(self.shard_pending), int(self.lock_lost)]
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> Votes:
-        stop, save_due, shard_pending = values
-        return cls(StopKind(stop), bool(save_due), bool(shard_pending))
+        stop, save_due, shard_pending, lock_lost = values
+        return cls(StopKind(stop), bool(save_due), bool(shard_pending), bool(lock_lost))
+
+
+class DirectoryLost(Exception):
+    """Raised on every rank at the same boundary: another job holds the checkpoint directory now,
+    so this run stops rather than train on without checkpoints (``ExitCode.LOCK_LOST``)."""
+
+    def __init__(self, step: int, lock: str) -> None:
+        super().__init__(
+            f"the checkpoint lock {lock} was taken over by another job at or before step {step}; "
+            "this run can commit nothing more and stops"
+        )
+        self.step = step
 
 
 @dataclass(frozen=True)
@@ -114,7 +132,15 @@ class StepBoundary:
             stop=self.stop_flag.kind if self.stop_flag is not None else StopKind.NONE,
             save_due=self.is_main and self.policy.due_by_time(time.monotonic() - self._last_save),
             shard_pending=not ck.local_done(),
+            lock_lost=self._lock_lost(),
         )
+
+    def _lock_lost(self) -> bool:
+        """Whether this rank holds the directory's lock and found it taken over (rank 0's vote)."""
+        return self.checkpointer.lock.was_lost
+
+    def _raise_lost(self, step: int) -> None:
+        raise DirectoryLost(step, str(self.checkpointer.lock.path))
 
     def _agree(self, votes: Votes) -> Votes:
         return Votes.decode(self.control.agree(votes.encode()))
@@ -127,6 +153,8 @@ class StepBoundary:
         posted = self.control.collect()
         # Nothing posted yet (the first step of this process or epoch): no stop, no commit.
         agreed = Votes.decode(posted) if posted is not None else Votes(shard_pending=True)
+        if agreed.lock_lost:
+            self._raise_lost(step)
         if agreed.stop:
             return self.stop_now(StopKind(agreed.stop), snapshot)
         not_done = agreed.shard_pending
@@ -149,14 +177,19 @@ class StepBoundary:
     def epoch_end(self, snapshot: SnapshotFn, *, finished: bool) -> Decision:
         """After an epoch's evaluation: save it (synchronously if it is the last), then, unless
         training is finished, agree on a stop requested during the epoch."""
-        committed = self.save(snapshot(), sync=finished or not self.async_save)
+        snap = snapshot()
+        committed = self.save(snap, sync=finished or not self.async_save)
         if finished:
             if not committed:
                 log.error("final_checkpoint_failed", detail="the newest committed checkpoint is older")
+                if self._agree(Votes(lock_lost=self._lock_lost())).lock_lost:
+                    self._raise_lost(snap.step)
             return Decision(saved=bool(committed), committed=bool(committed))
-        stop = self._agree(Votes(stop=self._votes().stop)).stop
-        if stop:
-            return self.stop_now(stop, snapshot)
+        agreed = self._agree(Votes(stop=self._votes().stop, lock_lost=self._lock_lost()))
+        if agreed.lock_lost:
+            self._raise_lost(snap.step)
+        if agreed.stop:
+            return self.stop_now(agreed.stop, snapshot)
         return Decision(saved=True)
 
     def stop_now(self, kind: StopKind, snapshot: SnapshotFn) -> Decision:

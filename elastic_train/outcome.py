@@ -19,6 +19,9 @@ its stop checkpoint; rank *r*'s step watchdog writes ``.hang-rank-<r>.json`` bef
 markers) and only then calls ``clear_markers`` (it deletes them all), before training starts:
 the other order would book every restart as a failure. Clearing right away also means a marker
 always describes the attempt just before, whichever rank of the new attempt writes the next one.
+``.lock-lost.json`` is the exception: rank 0 of a run whose directory another job took over
+writes it for its job script, and no attempt reads or clears it (the directory is the other
+job's now); it counts only for the launch whose id it carries.
 
 **Format.** JSON with one key per line and fixed separators (``"key": value``), so the shell
 reads a field exactly without a JSON parser (``et_marker_field`` in ``jobs/lib/common.sh``;
@@ -52,6 +55,7 @@ class ExitCode(IntEnum):
     STOP_GRACE_EXPIRED = 77  # a stop signal, but no agreed step boundary within --stop-grace
     ORPHANED = 78  # the launcher died: the worker leaves instead of training on
     QUORUM_STATE_UNSAFE = 79  # --ft quorum: an error after the commit vote; the restarted worker heals
+    LOCK_LOST = 80  # another job took the checkpoint directory's lock over: stopped, nothing more commits
     HUNG = 124  # the step watchdog saw no progress for --hang-timeout (as timeout(1) exits)
 
 
@@ -66,6 +70,10 @@ class RestartCause(str, Enum):
     HANG = "hang"  # a rank's step watchdog fired (.hang-rank-<r>.json)
     STOP = "stop"  # the launcher stopped the workers: a peer failed, a node joined or left (.stopped.json)
     FAILURE = "failure"  # anything that left no marker: a crash, a kill, an exit 77 or 78
+    # Another job took the directory (.lock-lost.json): for the job script and people only. Never
+    # read back by a next attempt (not in PRECEDENCE): the directory and its markers are the
+    # other job's now, and that job's attempts must not book it as their own.
+    LOCK_LOST = "lock_lost"
 
     def __str__(self) -> str:  # the value in f-strings on every Python version, as stored
         return self.value
@@ -74,6 +82,7 @@ class RestartCause(str, Enum):
 PREEMPTED_MARKER = ".preempted.json"
 STOPPED_MARKER = ".stopped.json"
 HANG_MARKER_GLOB = ".hang-rank-*.json"
+LOCK_LOST_MARKER = ".lock-lost.json"
 LAUNCH_ID_VAR = "ELASTIC_TRAIN_LAUNCH_ID"  # set by the job scripts for each launch, copied into markers
 MARKER_VERSION = 1
 # A hang marker's write is bounded: the hang may be a wedged filesystem, and the watchdog must
@@ -88,6 +97,7 @@ _EXIT_OF = {
     RestartCause.PREEMPTION: ExitCode.PREEMPTED,
     RestartCause.STOP: ExitCode.STOPPED,
     RestartCause.HANG: ExitCode.HUNG,
+    RestartCause.LOCK_LOST: ExitCode.LOCK_LOST,
 }
 
 
@@ -132,6 +142,13 @@ MEANINGS: Mapping[ExitCode, Meaning] = {
         "a quorum-mode worker whose update failed after its replicas voted to commit (state may be half applied)",
         "its agent restarts it alone; the new worker heals from a live replica, the others never stop",
     ),
+    ExitCode.LOCK_LOST: Meaning(
+        "every worker, at the step boundary after rank 0 found the directory's lock taken over by another job "
+        "(its own had gone stale)",
+        "torchrun restarts, and the new attempt is refused (exit 2) while the other job holds the directory; "
+        "the job script does not requeue on the marker of its own launch",
+        f"`{LOCK_LOST_MARKER}` (rank 0)",
+    ),
     ExitCode.HUNG: Meaning(
         "a worker whose step watchdog saw no progress for `--hang-timeout`",
         "torchrun restarts the group from the newest checkpoint; booked as a `hang` restart",
@@ -148,7 +165,7 @@ def hang_marker_name(rank: int) -> str:
 class Marker:
     """What an attempt that ended by a stop or a hang leaves for the job script and the next attempt."""
 
-    cause: RestartCause  # PREEMPTION, STOP or HANG: a failure leaves no marker
+    cause: RestartCause  # PREEMPTION, STOP, HANG or LOCK_LOST: a failure leaves no marker
     step: int  # the step checkpointed (stop), or the last finished step (hang)
     rank: int  # the global rank that wrote it
     time: float = field(default_factory=time.time)
@@ -169,6 +186,8 @@ class Marker:
     def file_name(self) -> str:
         if self.cause is RestartCause.HANG:
             return hang_marker_name(self.rank)
+        if self.cause is RestartCause.LOCK_LOST:
+            return LOCK_LOST_MARKER
         return PREEMPTED_MARKER if self.cause is RestartCause.PREEMPTION else STOPPED_MARKER
 
     def to_text(self) -> str:
@@ -214,6 +233,27 @@ def stop_marker(cause: RestartCause, step: int, signal: str, committed: bool, ra
     return Marker(cause, step, rank, signal=signal, committed=committed)
 
 
+def lock_lost_marker(step: int, rank: int = 0) -> Marker:
+    """The marker of a run that stopped because another job took its directory over."""
+    return Marker(RestartCause.LOCK_LOST, step, rank)
+
+
+def write_stop_marker(checkpoint_dir: Path, marker: Marker) -> Path | None:
+    """Write a stop marker, committed or not; one saying the stop checkpoint failed never
+    replaces this stop's marker saying it committed (same launch and step). Quorum mode: every
+    replica stops at the same step and only the one that saved knows it committed, so the
+    others' markers must not hide it. None when the committed marker was kept.
+
+    Limit: the check and the write are two operations; a saver's marker landing between them
+    is overwritten. Savers write after a synchronous save, the others at once, so in practice
+    the others write first. ``OSError`` on failure."""
+    if not marker.committed:
+        found = read_marker(checkpoint_dir / marker.file_name)
+        if found is not None and found.committed and (found.launch_id, found.step) == (marker.launch_id, marker.step):
+            return None
+    return write_marker(checkpoint_dir, marker)
+
+
 def write_marker(checkpoint_dir: Path, marker: Marker) -> Path:
     """Write ``marker`` atomically (temporary name, fsync, rename); ``OSError`` on failure."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -256,6 +296,8 @@ def _cause_of_file(name: str) -> RestartCause | None:
         return RestartCause.PREEMPTION
     if name == STOPPED_MARKER:
         return RestartCause.STOP
+    if name == LOCK_LOST_MARKER:
+        return RestartCause.LOCK_LOST
     if name.startswith(".hang-rank-") and name.endswith(".json"):
         return RestartCause.HANG
     return None

@@ -14,11 +14,12 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train import __version__
-from elastic_train.boundary import SavePolicy, StepBoundary
+from elastic_train.boundary import DirectoryLost, SavePolicy, StepBoundary
 from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Loaded, should_manage_checkpoints
 from elastic_train.config import TrainConfig
 from elastic_train.data import open_task_data
 from elastic_train.distributed.env import DistEnv
+from elastic_train.distributed.identity import resolve_job
 from elastic_train.distributed.process_group import ControlPlane, Placement, choose_placement, process_group
 from elastic_train.errors import UsageError, report_usage_error
 from elastic_train.faults import CheckpointFaults, FaultInjector
@@ -26,8 +27,10 @@ from elastic_train.image_classification import image_task
 from elastic_train.logs import Console, attach_rank_log, configure_logging
 from elastic_train.outcome import (
     ExitCode,
+    Marker,
     RestartCause,
     clear_markers,
+    lock_lost_marker,
     previous_exit_cause,
     stop_marker,
     write_marker,
@@ -141,6 +144,8 @@ def train(
         # Fault markers sit beside the checkpoints: a fault fires once per run, across restarts.
         faults = FaultInjector.from_environ(env.rank, cfg.checkpoint_dir / ".faults")
         _tune_cuda(placement, cfg.deterministic)
+        if should_manage_checkpoints(env):  # the lock's owner: this job, the same after a restart
+            env = resolve_job(env, launcher_pid)
         if cfg.ft == "quorum":
             from elastic_train.quorum.run import train_quorum  # torchft: the optional [ft] extra
 
@@ -182,6 +187,7 @@ def _train_in_group(
             threads=threads,
             device=str(placement.device),
             version=__version__,
+            job=env.job_id,
             process_started=clock.started,
             startup_s=clock.phases(),
         )
@@ -217,6 +223,8 @@ def _train_in_group(
             preemption.acknowledge()  # the final checkpoint is committed: a late signal changes nothing
         except Preempted as exc:
             return _exit_preempted(cfg, env, console, preemption, exc)
+        except DirectoryLost as exc:
+            return _exit_lock_lost(cfg, env, console, exc)
         finally:
             watchdog.stop()
             if preemption.grace is not None:
@@ -272,11 +280,29 @@ def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None) -> 
 def _exit_preempted(cfg: TrainConfig, env: DistEnv, console: Console, flag: PreemptionFlag, exc: Preempted) -> int:
     signal_name = flag.signal_name or "a peer's signal"
     code = exc.kind.exit_code
-    if should_manage_checkpoints(env):
-        write_marker(cfg.checkpoint_dir, stop_marker(exc.kind.cause, exc.step, signal_name, exc.committed))
+    if should_manage_checkpoints(env):  # committed or not: the job script requeues on it either way
+        _write_marker(cfg, stop_marker(exc.kind.cause, exc.step, signal_name, exc.committed))
     state = "checkpoint committed" if exc.committed else "CHECKPOINT FAILED (the previous one is kept)"
     what = "Preempted" if exc.kind is StopKind.PREEMPT else "Stopped"
     console.line(f"{what} by {signal_name} at step {exc.step}: {state}; exiting with code {code}")
     reason = "preempted" if exc.kind is StopKind.PREEMPT else "stopped"
     log.warning("exit", code=code, reason=reason, step=exc.step, committed=exc.committed)
     return code
+
+
+def _exit_lock_lost(cfg: TrainConfig, env: DistEnv, console: Console, exc: DirectoryLost) -> int:
+    code = ExitCode.LOCK_LOST
+    if should_manage_checkpoints(env):
+        _write_marker(cfg, lock_lost_marker(exc.step))
+    console.line(f"Stopped at step {exc.step}: {exc}; exiting with code {int(code)}")
+    log.error("exit", code=code, reason="lock_lost", step=exc.step, error=str(exc))
+    return code
+
+
+def _write_marker(cfg: TrainConfig, marker: Marker) -> None:
+    """Write ``marker``, logging a failure: the storage that failed a stop checkpoint may fail
+    this write too, and the exit code must still be the one that says what happened."""
+    try:
+        write_marker(cfg.checkpoint_dir, marker)
+    except OSError as exc:
+        log.error("marker_write_failed", marker=marker.file_name, error=repr(exc))

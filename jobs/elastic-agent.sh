@@ -16,7 +16,9 @@
 # Knobs (environment; runtime ones in jobs/lib/common.sh):
 #   ET_FT              restart (default): torchrun, the semantics above | quorum (needs torchft)
 #   ET_RDZV_ENDPOINT   host:port of the rendezvous store (required, restart mode)
-#   ET_RDZV_ID         job id shared by all agents (default: $SLURM_JOB_ID, else "elastic-train")
+#   ET_RDZV_ID         job id shared by all agents (default: $SLURM_JOB_ID, else "elastic-train"; with
+#                      neither, the job's identity, the checkpoint lock's owner, is minted once in the
+#                      rendezvous store, so two jobs on one --checkpoint-dir are told apart)
 #   ET_NNODES          MIN:MAX nodes (default 1:2)
 #   ET_NPROC           processes per node (default: $SLURM_GPUS_ON_NODE, or 1 without GPUs)
 #   ET_MAX_RESTARTS    restarts per agent after worker failures (default 3)
@@ -93,6 +95,11 @@ else
   # - last_call_timeout=5: after the minimum is met, wait 5 s (not 30) for stragglers.
   # - keep_alive_interval=1, keep_alive_max_attempt=3: a dead node is noticed in ~3 s, not 50.
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  # The rendezvous store outlives every worker restart (the workers' own store is per round):
+  # without a named job, rank 0 mints the job's identity there (elastic_train/distributed/identity.py).
+  if [ -z "${ET_RDZV_ID:-}" ] && [ -z "${SLURM_JOB_ID:-}" ]; then
+    export ELASTIC_TRAIN_JOB_STORE=$endpoint
+  fi
   rdzv_conf="is_host=$is_host,join_timeout=${ET_JOIN_TIMEOUT:-600},last_call_timeout=5"
   rdzv_conf+=",keep_alive_interval=1,keep_alive_max_attempt=3"
   coordinator="nodes $nnodes, rendezvous $endpoint"

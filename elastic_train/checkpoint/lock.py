@@ -29,7 +29,10 @@ Rank 0 of a run holds ``<checkpoint-dir>/.lock`` (JSON: owner = the job id, host
   (``lost``), and every commit checks it and moves ``latest`` with the mutex held
   (``still_held``), so no takeover falls in between: a run whose lock was taken over (it was
   silent for longer than its TTL, or, in quorum mode, another replica of the job saves now)
-  logs an error and stops committing.
+  logs an error and stops committing; ``was_lost`` then stays True (until it takes the lock
+  again), and the restart-mode trainer stops at its next step boundary (``ExitCode.LOCK_LOST``).
+* **Owner.** The job (``DistEnv.job_id``): every restart of one job has the same, any two jobs
+  differ, also two plain torchrun jobs without ``--rdzv-id`` (``distributed/identity.py``).
 
 NFS and cluster filesystems: link(), rename() and O_EXCL creation are atomic on the server for
 NFSv3 and v4 (O_EXCL was not on NFSv2; link always was), and on Lustre, GPFS and CephFS.
@@ -87,6 +90,10 @@ ACQUIRE_TIMEOUT_S = MUTEX_STALE_S + 10.0
 # for as long as it is gone). Past this bound the process must still be able to exit.
 RELEASE_JOIN_S = 10.0
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS}
+REFUSAL_FIX = (
+    "use another --checkpoint-dir, stop that run, or, if it crashed on another host, wait "
+    f"for its lock to expire ({TTL_VAR} overrides the TTL)"
+)
 
 
 def ttl_override() -> float | None:
@@ -154,6 +161,7 @@ class CheckpointLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost_logged = False
+        self._lost = threading.Event()  # set when this hold was found taken over or removed
 
     # ------------------------------------------------------------------ reading
     def _record(self) -> bytes:
@@ -201,6 +209,15 @@ class CheckpointLock:
             f"(stale after {ttl:.0f}s)"
         )
 
+    def check_available(self) -> None:
+        """Raise ``UsageError`` (naming the holder and the fix) if another job holds the
+        directory now; take nothing. For quorum mode's worker start: the replica of this job
+        that saves now keeps the lock (taking it would fence that replica's save in flight)."""
+        held = self.inspect()
+        reason = self.blocks_us(held) if held is not None else None
+        if reason:
+            raise UsageError(reason, REFUSAL_FIX)
+
     # ------------------------------------------------------------------ acquire
     def acquire(self) -> None:
         """Take the lock or raise ``UsageError`` naming the holder."""
@@ -217,11 +234,7 @@ class CheckpointLock:
                 continue  # released between our attempt and our look: try again
             reason = self.blocks_us(held)
             if reason:
-                raise UsageError(
-                    reason,
-                    "use another --checkpoint-dir, stop that run, or, if it crashed on another host, wait "
-                    f"for its lock to expire ({TTL_VAR} overrides the TTL)",
-                )
+                raise UsageError(reason, REFUSAL_FIX)
             if self._take_over(held):
                 if held.record.get("owner") != self.owner:
                     log.warning("checkpoint_lock_taken_over", previous=held.record, heartbeat_age_s=round(held.age, 1))
@@ -272,6 +285,7 @@ class CheckpointLock:
 
     def _hold(self, fd: int) -> None:
         self._fd, self._inode, self._lost_logged = fd, os.fstat(fd).st_ino, False
+        self._lost.clear()
 
     def _take_over(self, judged: Holder) -> bool:
         """Remove the lock we judged stale, unless it changed since we looked. True if removed."""
@@ -365,10 +379,19 @@ class CheckpointLock:
             return
         mutex = self._wait_mutex(wait_s)
         try:
-            yield mutex and not self.lost()
+            lost = self.lost()
+            if lost:
+                self._lost.set()
+            yield mutex and not lost
         finally:
             if mutex:
                 self._unlock_mutex()
+
+    @property
+    def was_lost(self) -> bool:
+        """True once a heartbeat or a commit found this hold taken over or removed (no file
+        access: cheap enough for every step boundary); False again after a new ``acquire``."""
+        return self._lost.is_set()
 
     def lost(self) -> bool:
         """True if we took the lock and ``.lock`` is no longer ours (taken over, or removed)."""
@@ -383,6 +406,7 @@ class CheckpointLock:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 if self.lost():
+                    self._lost.set()
                     if not self._lost_logged:
                         self._lost_logged = True
                         log.error(

@@ -14,6 +14,17 @@ from dataclasses import dataclass
 
 from elastic_train.errors import UsageError
 
+# The job's identity, given by whoever launches it (any string; the same on every node and every
+# restart of the job, different for every other job). Wins over everything below.
+JOB_ID_VAR = "ELASTIC_TRAIN_JOB_ID"
+# host:port of a store that outlives the job's worker restarts, where rank 0 mints the job's
+# identity when nothing names it (``distributed/identity.py``). jobs/elastic-agent.sh sets it to
+# its rendezvous endpoint; plain torchrun's shared agent store serves without it.
+JOB_STORE_VAR = "ELASTIC_TRAIN_JOB_STORE"
+# torchrun's default --rdzv-id, the same in every job: it names none. (Our own "torchrun" stands
+# for a launcher that set RANK and WORLD_SIZE but no run id.)
+UNNAMED_RUN_IDS = frozenset({"none", "torchrun"})
+
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     raw = environ.get(name)
@@ -41,6 +52,11 @@ class DistEnv:
     run_id: str = "local"
     launched: bool = False  # True under torchrun (or any launcher that set RANK/WORLD_SIZE)
     slurm_job_id: str = ""
+    # The job's identity when the environment names one (JOB_ID_VAR, Slurm's job id, an explicit
+    # --rdzv-id without JOB_STORE_VAR); "" when rank 0 must mint one (``identity.resolve_job``).
+    job: str = ""
+    # Where a minted identity is kept across worker restarts: "host:port", or "" for none.
+    identity_store: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -62,8 +78,10 @@ class DistEnv:
         launched = "RANK" in env and "WORLD_SIZE" in env
         slurm = env.get("SLURM_JOB_ID", "")
         if not launched:
-            return cls(run_id=slurm or uuid.uuid4().hex[:12], slurm_job_id=slurm)
+            run_id = slurm or uuid.uuid4().hex[:12]
+            return cls(run_id=run_id, slurm_job_id=slurm, job=_named_job(env) or run_id)
         world_size = _int(env, "WORLD_SIZE", 1)
+        run_id = env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "torchrun"
         return cls(
             rank=_int(env, "RANK", 0),
             local_rank=_int(env, "LOCAL_RANK", 0),
@@ -71,9 +89,11 @@ class DistEnv:
             local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size),
             node_rank=_int(env, "GROUP_RANK", 0),
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
-            run_id=env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "torchrun",
+            run_id=run_id,
             launched=True,
             slurm_job_id=slurm,
+            job=_named_job(env) or ("" if run_id in UNNAMED_RUN_IDS or env.get(JOB_STORE_VAR) else run_id),
+            identity_store=_identity_store(env),
         )
 
     # Named predicates: "who does this" is decided here, never by scattered `rank == 0`.
@@ -88,8 +108,40 @@ class DistEnv:
 
     @property
     def job_id(self) -> str:
-        """The job across restarts and requeues: the Slurm job id if any, else the run id."""
-        return f"slurm-{self.slurm_job_id}" if self.slurm_job_id else self.run_id
+        """The job across restarts and requeues (the checkpoint lock's owner): ``JOB_ID_VAR``,
+        else ``slurm-<job id>``, else the identity rank 0 minted in ``JOB_STORE_VAR``'s store, else
+        an explicit torchrun run id, else one minted in torchrun's shared store
+        (``distributed.identity.resolve_job``); the bare run id only before the minting."""
+        return self.job or self.run_id
+
+    @property
+    def needs_minted_job(self) -> bool:
+        """Nothing in the environment names the job: torchrun's default ``--rdzv-id`` (``none``)
+        is the same in every job on the host, so it cannot tell two jobs apart."""
+        return self.launched and not self.job
+
+
+def _named_job(env: Mapping[str, str]) -> str:
+    """The job's identity as the launcher's environment gives it, or ""."""
+    given = env.get(JOB_ID_VAR, "").strip()
+    if given:
+        return given
+    slurm = env.get("SLURM_JOB_ID", "")
+    return f"slurm-{slurm}" if slurm else ""
+
+
+def _identity_store(env: Mapping[str, str]) -> str:
+    """The store a minted identity survives worker restarts in: ``JOB_STORE_VAR``, else the
+    agent's store torchrun shares with its workers (TORCHELASTIC_USE_AGENT_STORE=True: one TCPStore
+    per agent lifetime, so per job), else "" (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every
+    round a new one)."""
+    given = env.get(JOB_STORE_VAR, "").strip()
+    if given:
+        return given
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if shared and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return ""
 
 
 def should_print_console(env: DistEnv) -> bool:

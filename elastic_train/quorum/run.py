@@ -27,7 +27,7 @@ from elastic_train.distributed.process_group import Placement
 from elastic_train.errors import UsageError
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, attach_rank_log
-from elastic_train.outcome import ExitCode, stop_marker, write_marker
+from elastic_train.outcome import ExitCode, stop_marker, write_stop_marker
 from elastic_train.quorum import warm
 from elastic_train.quorum.names import GROUPS_VAR
 from elastic_train.quorum.replica import Replica, ReplicaConfig
@@ -126,8 +126,8 @@ def _run(
     clock.mark("data")
     fingerprint = run_fingerprint(cfg, task, data.identify(), cfg.task is None)
     checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint)
-    try:  # refuse a directory another job holds now, not at the first save (same job: taken over)
-        checkpointer.lock.ensure_held()
+    try:  # refuse a directory another job holds now; read-only: this job's current saver keeps it
+        checkpointer.lock.check_available()
     except OSError as exc:
         raise UsageError(
             f"--checkpoint-dir {cfg.checkpoint_dir} cannot be used: {exc}", "pass a writable folder"
@@ -170,8 +170,11 @@ def _run(
         return ExitCode.QUORUM_STATE_UNSAFE
     except Preempted as exc:
         code = exc.kind.exit_code
-        if exc.committed:
-            write_marker(cfg.checkpoint_dir, stop_marker(exc.kind.cause, exc.step, preemption.signal_name or "", True))
+        try:  # a failed stop save too; it never hides a peer replica's committed one
+            marker = stop_marker(exc.kind.cause, exc.step, preemption.signal_name or "", exc.committed)
+            write_stop_marker(cfg.checkpoint_dir, marker)
+        except OSError as err:
+            log.error("marker_write_failed", error=repr(err))
         what = "Preempted" if exc.kind is StopKind.PREEMPT else "Stopped"
         state = (
             "checkpoint committed"

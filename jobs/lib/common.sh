@@ -267,6 +267,9 @@ et_new_launch() {
 # JSON with one key per line (`"key": value`, a comma after all but the last), which the reader
 # below parses exactly. tests/unit/test_outcome.py runs it on the Python writer's output.
 ET_PREEMPTED_MARKER=.preempted.json
+# Written by rank 0 of a run whose checkpoint directory another job took over (exit 80,
+# LOCK_LOST): a requeue would only be refused while that job holds it.
+ET_LOCK_LOST_MARKER=.lock-lost.json
 
 # Print field $2 of marker file $1: a string without its quotes; a number, true, false or null as
 # written. Returns 1 when the file or the field is missing. Exact for values without JSON escapes,
@@ -288,13 +291,16 @@ et_marker_field() {
   return 1
 }
 
-# True when this launch's trainer was preempted: the preemption marker carries its launch id.
-et_was_preempted() {
+# True when marker file $1 (in the checkpoint directory) carries this launch's id.
+et_own_marker() {
   local launch
   [ -n "${ELASTIC_TRAIN_LAUNCH_ID:-}" ] || return 1
-  launch=$(et_marker_field "$ET_CHECKPOINT_DIR/$ET_PREEMPTED_MARKER" launch_id) || return 1
+  launch=$(et_marker_field "$ET_CHECKPOINT_DIR/$1" launch_id) || return 1
   [ "$launch" = "$ELASTIC_TRAIN_LAUNCH_ID" ]
 }
+
+# True when this launch's trainer was preempted: the preemption marker carries its launch id.
+et_was_preempted() { et_own_marker "$ET_PREEMPTED_MARKER"; }
 
 # Set `reason` and `rc` from this launch's preemption marker: rc becomes the trainer's "preempted,
 # requeue me" code as the marker states it (75), whatever torchrun returned.
@@ -318,6 +324,12 @@ et_finish() {
   local rc=$1 restarts cap reason
   trap '' "${ET_SIGNALS[@]}"  # nothing left to forward; the requeue's own SIGTERM must not cut this short
   restarts=$(et_count "${SLURM_RESTART_COUNT:-0}")
+  if et_own_marker "$ET_LOCK_LOST_MARKER"; then
+    rc=$(et_marker_field "$ET_CHECKPOINT_DIR/$ET_LOCK_LOST_MARKER" exit_code) || rc=80
+    et_log "another job took $ET_CHECKPOINT_DIR over (its lock had gone stale): stopped at step" \
+      "$(et_marker_field "$ET_CHECKPOINT_DIR/$ET_LOCK_LOST_MARKER" step || echo '?'); not requeued (exit $rc)"
+    exit "$rc"
+  fi
   if et_was_preempted; then
     et_read_preemption
     cap=$(et_count "${ET_MAX_PREEMPT_REQUEUES:-1000}")

@@ -62,7 +62,7 @@ def committed_steps(root: Path) -> list[int]:
 def test_votes_round_trip_through_their_encoding() -> None:
     votes = Votes(StopKind.PREEMPT, save_due=True, shard_pending=False)
     assert Votes.decode(votes.encode()) == votes
-    assert Votes.decode([0, 0, 1]) == Votes(shard_pending=True)
+    assert Votes.decode([0, 0, 1, 0]) == Votes(shard_pending=True)
 
 
 def test_saves_every_n_steps_and_commits_at_a_later_boundary(world_of_one: None, tmp_path: Path) -> None:
