@@ -162,7 +162,7 @@ def test_batchnorm_statistics_count_each_committed_step_once_across_a_kill(tmp_p
     try:
         node = job.start("--nproc-per-node", "2", "--max-restarts", "2", flags=short)
         job.until("the killed replica healed", lambda: bool(events(job, 1, "healed", started)))
-        assert job.wait(node) == 0, job.output()
+        assert job.wait(node, timeout=240) == 0, job.output()  # ResNet-18: ~2.5 s a step on 2 loaded cores
     finally:
         kill_tagged(job.env[TOKEN_VAR])
     restarted = [r for g, _, r in node.workers() if g == 1]
