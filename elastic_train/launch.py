@@ -14,6 +14,9 @@ worker restart costs (see docs/benchmarks.md).
 What stays the same for the worker: the environment torchrun sets (RANK, WORLD_SIZE,
 MASTER_ADDR, ...), signals (the agent forwards SIGTERM/SIGUSR1/SIGUSR2 to the worker's pid), exit
 codes (75 preempted, 124 hung, 2 bad input), ``@record`` error files and the failure summary.
+Each worker sits in a session of its own, as torchrun's do, so a Ctrl-C in the terminal reaches
+the agent only, which forwards it once; the workers checkpoint the step and exit 130, and this
+launcher exits 130 too (a second Ctrl-C ends everything at once).
 The forkserver imports torch but never touches CUDA, so forked workers can use it.
 
 Only the trainer can be launched this way (``-m elastic_train``): that is what is preloaded.
@@ -24,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import multiprocessing
+import os
+import signal
 import sys
 import threading
 import uuid
@@ -37,6 +42,9 @@ def worker(*argv: str) -> None:
     """A worker's entry point (in a process forked from the preloaded forkserver)."""
     from elastic_train.cli import main
 
+    # Out of the terminal's process group: a Ctrl-C arrives once, forwarded by the agent (the
+    # trainer reads a second SIGINT as a second Ctrl-C).
+    os.setsid()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # torchrun runs python -u
     code = main(list(argv))
     if code:
@@ -73,8 +81,15 @@ def _launch(argv: Sequence[str] | None) -> int:
     # critical path. Import it now, in the background, while the first workers start.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
     multiprocessing.set_forkserver_preload(PRELOAD)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
+    except SignalException as exc:
+        # The agent forwarded the signal and waited for its workers (torch's shutdown): they
+        # checkpointed the step. Exit as the shell reports the signal, without a traceback.
+        print(f"elastic_train.launch: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     finally:
         _stop_helpers()
     return 0

@@ -13,7 +13,8 @@ requeue). It tells whoever comes next how it ended through two channels, both de
 ``python -m elastic_train.outcome table`` prints the table of codes and markers that
 ``docs/fault-tolerance.md`` carries (a test keeps the two equal).
 
-**Marker lifecycle.** Rank 0 of an attempt writes ``.preempted.json`` or ``.stopped.json`` after
+**Marker lifecycle.** Rank 0 of an attempt writes ``.preempted.json``, ``.stopped.json`` or
+``.interrupted.json`` after
 its stop checkpoint; rank *r*'s step watchdog writes ``.hang-rank-<r>.json`` before it exits
 ``HUNG``. When the next attempt resumes, rank 0 first asks ``previous_exit_cause`` (it reads the
 markers) and only then calls ``clear_markers`` (it deletes them all), before training starts:
@@ -57,6 +58,7 @@ class ExitCode(IntEnum):
     QUORUM_STATE_UNSAFE = 79  # --ft quorum: an error after the commit vote; the restarted worker heals
     LOCK_LOST = 80  # another job took the checkpoint directory's lock over: stopped, nothing more commits
     HUNG = 124  # the step watchdog saw no progress for --hang-timeout (as timeout(1) exits)
+    INTERRUPTED = 130  # Ctrl-C (SIGINT): the exact step is checkpointed; rerun the command to continue
 
 
 class RestartCause(str, Enum):
@@ -70,6 +72,7 @@ class RestartCause(str, Enum):
     HANG = "hang"  # a rank's step watchdog fired (.hang-rank-<r>.json)
     STOP = "stop"  # the launcher stopped the workers: a peer failed, a node joined or left (.stopped.json)
     FAILURE = "failure"  # anything that left no marker: a crash, a kill, an exit 77 or 78
+    INTERRUPT = "interrupt"  # a person pressed Ctrl-C (.interrupted.json): the run continues when rerun
     # Another job took the directory (.lock-lost.json): for the job script and people only. Never
     # read back by a next attempt (not in PRECEDENCE): the directory and its markers are the
     # other job's now, and that job's attempts must not book it as their own.
@@ -81,6 +84,7 @@ class RestartCause(str, Enum):
 
 PREEMPTED_MARKER = ".preempted.json"
 STOPPED_MARKER = ".stopped.json"
+INTERRUPTED_MARKER = ".interrupted.json"
 HANG_MARKER_GLOB = ".hang-rank-*.json"
 LOCK_LOST_MARKER = ".lock-lost.json"
 LAUNCH_ID_VAR = "ELASTIC_TRAIN_LAUNCH_ID"  # set by the job scripts for each launch, copied into markers
@@ -92,10 +96,13 @@ HANG_MARKER_WRITE_S = 2.0
 CLOCK_SLACK_S = 1.0
 # Which marker wins when an attempt left several: a preemption decides the requeue; a hang is the
 # root cause of whatever stop followed it.
-PRECEDENCE = (RestartCause.PREEMPTION, RestartCause.HANG, RestartCause.STOP)
+# A Ctrl-C under torchrun reaches the workers as SIGINT only, so an interrupt and a stop of one
+# attempt do not meet; when they do, the launcher's stop is the more specific cause.
+PRECEDENCE = (RestartCause.PREEMPTION, RestartCause.HANG, RestartCause.STOP, RestartCause.INTERRUPT)
 _EXIT_OF = {
     RestartCause.PREEMPTION: ExitCode.PREEMPTED,
     RestartCause.STOP: ExitCode.STOPPED,
+    RestartCause.INTERRUPT: ExitCode.INTERRUPTED,
     RestartCause.HANG: ExitCode.HUNG,
     RestartCause.LOCK_LOST: ExitCode.LOCK_LOST,
 }
@@ -154,7 +161,22 @@ MEANINGS: Mapping[ExitCode, Meaning] = {
         "torchrun restarts the group from the newest checkpoint; booked as a `hang` restart",
         "`.hang-rank-<r>.json` (that rank, best effort)",
     ),
+    ExitCode.INTERRUPTED: Meaning(
+        "every worker after the agreed stop checkpoint of a SIGINT (Ctrl-C; torchrun and our launchers forward "
+        "it to their workers); the launchers of elastic-train; a second Ctrl-C ends at once, without a checkpoint",
+        "nothing is restarted; rerunning the same command continues from the checkpoint (torchrun itself "
+        "exits 1 with 'got signal: 2')",
+        f"`{INTERRUPTED_MARKER}` (rank 0)",
+    ),
 }
+
+
+def continue_hint(checkpoint_dir: Path) -> str:
+    """The line after a Ctrl-C: how to go on from where the run stopped."""
+    return (
+        f"To continue, run the same command again: it resumes from {checkpoint_dir}/latest "
+        "(the same samples and updates as a run that was never stopped)."
+    )
 
 
 def hang_marker_name(rank: int) -> str:
@@ -165,7 +187,7 @@ def hang_marker_name(rank: int) -> str:
 class Marker:
     """What an attempt that ended by a stop or a hang leaves for the job script and the next attempt."""
 
-    cause: RestartCause  # PREEMPTION, STOP, HANG or LOCK_LOST: a failure leaves no marker
+    cause: RestartCause  # PREEMPTION, STOP, INTERRUPT, HANG or LOCK_LOST: a failure leaves no marker
     step: int  # the step checkpointed (stop), or the last finished step (hang)
     rank: int  # the global rank that wrote it
     time: float = field(default_factory=time.time)
@@ -188,6 +210,8 @@ class Marker:
             return hang_marker_name(self.rank)
         if self.cause is RestartCause.LOCK_LOST:
             return LOCK_LOST_MARKER
+        if self.cause is RestartCause.INTERRUPT:
+            return INTERRUPTED_MARKER
         return PREEMPTED_MARKER if self.cause is RestartCause.PREEMPTION else STOPPED_MARKER
 
     def to_text(self) -> str:
@@ -227,9 +251,10 @@ class Marker:
 
 
 def stop_marker(cause: RestartCause, step: int, signal: str, committed: bool, rank: int = 0) -> Marker:
-    """The marker of a preemption (``RestartCause.PREEMPTION``) or a launcher's stop (``STOP``)."""
-    if cause not in (RestartCause.PREEMPTION, RestartCause.STOP):
-        raise ValueError(f"a stop marker is for a preemption or a stop, not {cause.value!r}")
+    """The marker of a preemption (``RestartCause.PREEMPTION``), a launcher's stop (``STOP``) or a
+    Ctrl-C (``INTERRUPT``)."""
+    if cause not in (RestartCause.PREEMPTION, RestartCause.STOP, RestartCause.INTERRUPT):
+        raise ValueError(f"a stop marker is for a preemption, a stop or an interrupt, not {cause.value!r}")
     return Marker(cause, step, rank, signal=signal, committed=committed)
 
 
@@ -296,6 +321,8 @@ def _cause_of_file(name: str) -> RestartCause | None:
         return RestartCause.PREEMPTION
     if name == STOPPED_MARKER:
         return RestartCause.STOP
+    if name == INTERRUPTED_MARKER:
+        return RestartCause.INTERRUPT
     if name == LOCK_LOST_MARKER:
         return RestartCause.LOCK_LOST
     if name.startswith(".hang-rank-") and name.endswith(".json"):
@@ -318,19 +345,20 @@ def _marker_paths(checkpoint_dir: Path) -> list[Path]:
     return [
         checkpoint_dir / PREEMPTED_MARKER,
         checkpoint_dir / STOPPED_MARKER,
+        checkpoint_dir / INTERRUPTED_MARKER,
         *sorted(checkpoint_dir.glob(HANG_MARKER_GLOB)),
     ]
 
 
 def read_markers(checkpoint_dir: Path) -> list[Marker]:
-    """Every readable marker in ``checkpoint_dir``: preempted, stopped, then hangs by rank name."""
+    """Every readable marker in ``checkpoint_dir``: preempted, stopped, interrupted, then hangs by rank name."""
     return [m for m in map(read_marker, _marker_paths(checkpoint_dir)) if m is not None]
 
 
 def clear_markers(checkpoint_dir: Path) -> None:
     """Delete every marker (and a temporary file a killed writer left). Rank 0 calls it when an
     attempt starts, after ``previous_exit_cause`` has read them."""
-    for pattern in (PREEMPTED_MARKER, STOPPED_MARKER, HANG_MARKER_GLOB):
+    for pattern in (PREEMPTED_MARKER, STOPPED_MARKER, INTERRUPTED_MARKER, HANG_MARKER_GLOB):
         for path in checkpoint_dir.glob(pattern + "*"):  # "*": the writers' .tmp-<pid> files too
             path.unlink(missing_ok=True)
 

@@ -38,6 +38,7 @@ CAUSE_COLORS = {
     RestartCause.HANG.value: "tab:purple",
     RestartCause.PREEMPTION.value: "tab:orange",
     RestartCause.STOP.value: "tab:blue",
+    RestartCause.INTERRUPT.value: "tab:gray",
 }
 
 

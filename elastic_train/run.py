@@ -30,6 +30,7 @@ from elastic_train.outcome import (
     Marker,
     RestartCause,
     clear_markers,
+    continue_hint,
     lock_lost_marker,
     previous_exit_cause,
     stop_marker,
@@ -283,10 +284,10 @@ def _exit_preempted(cfg: TrainConfig, env: DistEnv, console: Console, flag: Pree
     if should_manage_checkpoints(env):  # committed or not: the job script requeues on it either way
         _write_marker(cfg, stop_marker(exc.kind.cause, exc.step, signal_name, exc.committed))
     state = "checkpoint committed" if exc.committed else "CHECKPOINT FAILED (the previous one is kept)"
-    what = "Preempted" if exc.kind is StopKind.PREEMPT else "Stopped"
-    console.line(f"{what} by {signal_name} at step {exc.step}: {state}; exiting with code {code}")
-    reason = "preempted" if exc.kind is StopKind.PREEMPT else "stopped"
-    log.warning("exit", code=code, reason=reason, step=exc.step, committed=exc.committed)
+    console.line(f"{exc.kind.verb} by {signal_name} at step {exc.step}: {state}; exiting with code {code}")
+    if exc.kind is StopKind.INTERRUPT:
+        console.line(continue_hint(cfg.checkpoint_dir))
+    log.warning("exit", code=code, reason=exc.kind.verb.lower(), step=exc.step, committed=exc.committed)
     return code
 
 

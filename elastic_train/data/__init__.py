@@ -8,6 +8,7 @@ exchange hands rank 0's identity of the data (``TaskData.identify``) to every ra
 
 from __future__ import annotations
 
+import signal
 from dataclasses import replace
 from typing import Any
 
@@ -166,6 +167,7 @@ def make_loaders(
         num_workers=workers,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
+        worker_init_fn=ignore_interrupts,
         # Every iterator draws its workers' base seed from this generator. The default, torch's
         # global RNG, would make a run resumed mid-epoch (a new iterator where the uninterrupted
         # run had none) draw once more than it, shifting every later random op (dropout).
@@ -179,6 +181,15 @@ def make_loaders(
         num_workers=workers,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
+        worker_init_fn=ignore_interrupts,
         generator=torch.Generator().manual_seed(cfg.seed + env.rank),
     )
     return train, sampler, val
+
+
+def ignore_interrupts(_worker_id: int) -> None:
+    """A DataLoader worker ignores SIGINT. A Ctrl-C in a terminal reaches the whole foreground
+    process group, loader workers included; torch's worker loop exits quietly on it, and the
+    trainer, which is finishing its step to checkpoint, would then fail on a dead worker. The
+    workers end with their trainer process (torch's own shutdown) instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -21,10 +21,12 @@ interpreter start-up and the imports (``elastic_train.launch`` does the same for
   signed with the secret (docs/fault-tolerance.md, "Trust and ownership").
 * ``--nnodes`` / ``--node-rank``: replica groups are numbered ``node_rank * nproc + local``.
 * ``--max-restarts`` counts per replica group: a group past it stays down; the others go on.
-* SIGTERM / SIGUSR1 / SIGUSR2 are forwarded to every worker (they agree on a step, participant 0
-  checkpoints it, all exit 75/76) and nothing is restarted afterwards.
+* SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT are forwarded to every worker (they agree on a step,
+  participant 0 checkpoints it, all exit 75/76/130) and nothing is restarted afterwards. The
+  workers sit in sessions of their own, so a Ctrl-C in the terminal reaches them once, from here;
+  a second Ctrl-C is forwarded too and ends them at once.
 * Exit status: 0 when a worker finished the training (every replica's finish is the same
-  training); 75/76 when stopped by a signal; 2 on bad input; otherwise the last failure's code.
+  training); 75/76/130 when stopped by a signal; 2 on bad input; otherwise the last failure's code.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ PRELOAD = [
     "elastic_train.quorum.warm",
 ]
 POLL_S = 0.05
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 # Codes after which a worker is not restarted: the run is over for it, or the input is bad.
-FINAL = {ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.USAGE}
+FINAL = {ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.INTERRUPTED, ExitCode.USAGE}
 
 
 def worker(environ: dict[str, str], argv: list[str]) -> None:
@@ -75,8 +77,10 @@ def worker(environ: dict[str, str], argv: list[str]) -> None:
     # A job template's MASTER_ADDR/PORT would become every replica's own store: each hosts its own.
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
+    os.setsid()  # out of the terminal's process group: a Ctrl-C arrives once, forwarded by the agent
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)  # the trainer installs its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     from elastic_train.cli import main
 
@@ -251,7 +255,7 @@ class Agent:
     def outcome(self) -> int:
         """How the training ended, from each replica group's last worker exit."""
         last = [slot.codes[-1] for slot in self.slots if slot.codes]
-        for code in (ExitCode.USAGE, ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED):
+        for code in (ExitCode.USAGE, ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.INTERRUPTED):
             if code in last:
                 return int(code)
         # Nobody finished: the most recent failure, a signal as the shell reports it (128 + N).

@@ -27,7 +27,7 @@ from elastic_train.distributed.process_group import Placement
 from elastic_train.errors import UsageError
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, attach_rank_log
-from elastic_train.outcome import ExitCode, stop_marker, write_stop_marker
+from elastic_train.outcome import ExitCode, continue_hint, stop_marker, write_stop_marker
 from elastic_train.quorum import warm
 from elastic_train.quorum.names import GROUPS_VAR
 from elastic_train.quorum.replica import Replica, ReplicaConfig
@@ -175,13 +175,14 @@ def _run(
             write_stop_marker(cfg.checkpoint_dir, marker)
         except OSError as err:
             log.error("marker_write_failed", error=repr(err))
-        what = "Preempted" if exc.kind is StopKind.PREEMPT else "Stopped"
         state = (
             "checkpoint committed"
             if exc.committed
             else "CHECKPOINT FAILED or taken by a peer (the previous one is kept)"
         )
-        console.line(f"{what} at step {exc.step}: {state}; exiting with code {code}")
+        console.line(f"{exc.kind.verb} at step {exc.step}: {state}; exiting with code {code}")
+        if exc.kind is StopKind.INTERRUPT:
+            console.line(continue_hint(cfg.checkpoint_dir))
         log.warning("exit", code=code, step=exc.step, committed=exc.committed)
         return code
     finally:

@@ -10,12 +10,20 @@ Two kinds, told apart by the signal:
   peer failed, a node joined or left) and when it shuts down. The run commits a checkpoint the
   same way, but nothing is booked as a preemption: rank 0 writes ``.stopped.json`` (read by the
   next attempt's goodput accounting) and every process exits with ``ExitCode.STOPPED`` (76).
+* **interrupt** (SIGINT): a person pressed Ctrl-C. In a terminal it reaches ``python -m
+  elastic_train`` directly; torchrun (whose workers sit in sessions of their own) and our
+  launchers forward it to their workers. Same checkpoint, ``.interrupted.json``, exit
+  ``ExitCode.INTERRUPTED`` (130, as a shell reports Ctrl-C), and a line saying how to continue.
+  A *second* Ctrl-C ends the process at once (exit 130, no checkpoint: the last committed one
+  stays ``latest``), from the grace thread too, so it works while the main thread is blocked.
 
 Codes, marker files and their writer live in ``elastic_train.outcome``.
 
 The handlers only record the request. At the next step boundary the ranks agree on it (see
 ``boundary.StepBoundary``), so a signal that reached one rank stops all of them at the same step.
-Repeated signals are ignored: Slurm and torchrun often deliver each signal twice.
+Repeated signals are ignored: Slurm and torchrun often deliver each signal twice. A repeated
+SIGINT is a second Ctrl-C only when it comes ``DOUBLE_DELIVERY_S`` or more after the first: a
+launcher's forwarded copy of the same Ctrl-C arrives within milliseconds of the terminal's.
 
 **The grace period.** A Python handler runs only when the main thread is back in the
 interpreter. A rank blocked inside a collective (a dead NCCL peer, a frozen host: its peers sit
@@ -57,40 +65,73 @@ from elastic_train.resilience.peer_progress import CounterStore, PeerProgress, i
 
 log = structlog.get_logger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 DEFAULT_GRACE_S = 10.0
+# Two SIGINTs closer than this are one Ctrl-C delivered twice (the terminal's, and a launcher's
+# forwarded copy); a person's second press comes later.
+DOUBLE_DELIVERY_S = 0.5
 
 
 class StopKind(IntEnum):
-    """What a rank was asked to do; ranks agree on the MAX (a preemption anywhere wins)."""
+    """What a rank was asked to do; ranks agree on the MAX. A preemption anywhere wins (the job
+    script must requeue); a launcher's stop outranks a Ctrl-C (torchrun is restarting the group,
+    and the next attempt must book it so)."""
 
     NONE = 0
-    STOP = 1
-    PREEMPT = 2
+    INTERRUPT = 1
+    STOP = 2
+    PREEMPT = 3
 
     @classmethod
     def of_signal(cls, signum: int) -> StopKind:
-        return cls.PREEMPT if signum in PREEMPT_SIGNALS else cls.STOP
+        if signum in PREEMPT_SIGNALS:
+            return cls.PREEMPT
+        return cls.INTERRUPT if signum == signal.SIGINT else cls.STOP
 
     @property
     def exit_code(self) -> ExitCode:
-        return ExitCode.PREEMPTED if self is StopKind.PREEMPT else ExitCode.STOPPED
+        return _EXIT_CODES[self]
 
     @property
     def cause(self) -> RestartCause:
         """How the next attempt books this stop; NONE has no cause."""
         if self is StopKind.NONE:
             raise ValueError("StopKind.NONE is no stop: it has no restart cause")
-        return RestartCause.PREEMPTION if self is StopKind.PREEMPT else RestartCause.STOP
+        return _CAUSES[self]
+
+    @property
+    def verb(self) -> str:
+        """ "Preempted", "Stopped" or "Interrupted": the console's word for it."""
+        return {StopKind.PREEMPT: "Preempted", StopKind.INTERRUPT: "Interrupted"}.get(self, "Stopped")
+
+
+_EXIT_CODES = {
+    StopKind.NONE: ExitCode.OK,
+    StopKind.INTERRUPT: ExitCode.INTERRUPTED,
+    StopKind.STOP: ExitCode.STOPPED,
+    StopKind.PREEMPT: ExitCode.PREEMPTED,
+}
+_CAUSES = {
+    StopKind.INTERRUPT: RestartCause.INTERRUPT,
+    StopKind.STOP: RestartCause.STOP,
+    StopKind.PREEMPT: RestartCause.PREEMPTION,
+}
+
+
+def end_at_once(why: str, exit_fn: Callable[[int], Any] = os._exit) -> None:
+    """A second Ctrl-C: leave now. Nothing is written (the last committed checkpoint stays
+    ``latest``); one line on stderr says so. Safe from a signal handler or any thread."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"\n{why}: exiting now without a checkpoint (the last committed one is kept)\n".encode())
+    exit_fn(ExitCode.INTERRUPTED)
 
 
 class Preempted(Exception):
     """Raised by the trainer after the stop checkpoint; ``run`` turns it into exit 75 or 76."""
 
     def __init__(self, step: int, committed: bool, kind: StopKind = StopKind.PREEMPT) -> None:
-        verb = "preempted" if kind is StopKind.PREEMPT else "stopped"
-        super().__init__(f"{verb} at step {step} (checkpoint {'committed' if committed else 'FAILED'})")
+        super().__init__(f"{kind.verb.lower()} at step {step} (checkpoint {'committed' if committed else 'FAILED'})")
         self.step = step
         self.committed = committed
         self.kind = kind
@@ -122,6 +163,7 @@ class StopGrace:
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._previous_fd = -1
         self._thread: threading.Thread | None = None
+        self._first_interrupt: float | None = None  # monotonic time of the first SIGINT seen
 
     def install(self) -> None:
         """From the main thread, after the Python handlers are installed."""
@@ -180,15 +222,41 @@ class StopGrace:
                 return None
             if not data:
                 return None
-            for signum in data:
+            for i, signum in enumerate(data):
                 if signum in SIGNALS:
+                    self._note_interrupts(data[i:])
                     return signum
         return None
+
+    def _note_interrupts(self, signums: bytes) -> None:
+        """A second Ctrl-C ends the process at once, whatever the main thread is doing."""
+        for signum in signums:
+            if signum != signal.SIGINT:
+                continue
+            now = time.monotonic()
+            if self._first_interrupt is None:
+                self._first_interrupt = now
+            elif now - self._first_interrupt >= DOUBLE_DELIVERY_S:
+                end_at_once("Second Ctrl-C", self._exit)
+
+    def _listen_for_interrupts(self) -> None:
+        """After the first stop signal, from a second thread: only a second Ctrl-C matters."""
+        assert self._sockets is not None
+        reader = self._sockets[0]
+        while not self._closed.is_set():
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            self._note_interrupts(data)
 
     def _watch(self) -> None:
         signum = self._first_signal()
         if signum is None:
             return
+        threading.Thread(target=self._listen_for_interrupts, name="stop-grace-interrupts", daemon=True).start()
         received = time.monotonic()
         peers = self.peers
         if peers is not None:
@@ -239,11 +307,13 @@ def _drop_wakeup_fd() -> None:
 class PreemptionFlag:
     """Set by a signal handler; read at step boundaries. Install from the main thread only."""
 
-    def __init__(self, grace: StopGrace | None = None) -> None:
+    def __init__(self, grace: StopGrace | None = None, exit_fn: Callable[[int], Any] = os._exit) -> None:
         self.signal_name: str | None = None
         self.kind = StopKind.NONE
         self.grace = grace
         self._previous: dict[int, Any] = {}
+        self._first_interrupt: float | None = None
+        self._exit = exit_fn
 
     def install(self) -> None:
         for sig in SIGNALS:
@@ -264,7 +334,15 @@ class PreemptionFlag:
             self.grace.disarm()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # Only flags: no logging, no I/O inside a handler. A preemption outranks a stop.
+        # Only flags: no logging, no I/O inside a handler (a second Ctrl-C's one line aside).
+        # A preemption outranks a stop, a stop a Ctrl-C.
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_interrupt is None:
+                self._first_interrupt = now
+            elif now - self._first_interrupt >= DOUBLE_DELIVERY_S:
+                end_at_once("Second Ctrl-C", self._exit)
+                return
         kind = StopKind.of_signal(signum)
         if kind > self.kind:
             self.kind = kind

@@ -11,11 +11,13 @@ import signal
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
-from elastic_train.outcome import ExitCode
+from elastic_train.outcome import ExitCode, RestartCause
 from elastic_train.resilience.peer_progress import KEY, PeerProgress
 from elastic_train.resilience.preemption import (
+    DOUBLE_DELIVERY_S,
     PreemptionFlag,
     StopGrace,
     StopKind,
@@ -194,3 +196,48 @@ def test_ranks_share_progress_through_clones_of_one_c10d_store() -> None:
     rank0.tick()  # rank 0 progressed and published
     rank1.tick()
     assert rank1.last_seen() > -math.inf
+
+
+def test_ctrl_c_is_the_weakest_stop_and_its_exit_code_is_130() -> None:
+    flag = PreemptionFlag(exit_fn=lambda code: pytest.fail(f"exited {code}"))
+    flag._handle(signal.SIGINT, None)
+    assert flag.kind is StopKind.INTERRUPT and flag.signal_name == "SIGINT"
+    assert StopKind.INTERRUPT.exit_code == ExitCode.INTERRUPTED == 130
+    assert StopKind.INTERRUPT.cause is RestartCause.INTERRUPT
+    flag._handle(signal.SIGTERM, None)  # torchrun restarting the group outranks it
+    assert flag.kind is StopKind.STOP
+    flag._handle(signal.SIGUSR1, None)
+    assert flag.kind is StopKind.PREEMPT
+    assert StopKind.NONE < StopKind.INTERRUPT < StopKind.STOP < StopKind.PREEMPT  # the ranks agree on the MAX
+
+
+def test_a_second_ctrl_c_ends_the_process_but_a_copy_of_the_first_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    codes: list[int] = []
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    flag = PreemptionFlag(exit_fn=codes.append)
+    flag._handle(signal.SIGINT, None)
+    clock[0] += DOUBLE_DELIVERY_S / 10  # the launcher's forwarded copy of the same Ctrl-C
+    flag._handle(signal.SIGINT, None)
+    assert codes == [] and flag.kind is StopKind.INTERRUPT
+    clock[0] += DOUBLE_DELIVERY_S  # a person pressing again
+    flag._handle(signal.SIGINT, None)
+    assert codes == [ExitCode.INTERRUPTED]
+
+
+def test_a_second_ctrl_c_ends_the_process_from_the_grace_thread_while_the_main_thread_is_blocked() -> None:
+    """The main thread here sleeps in C (time.sleep stands for a collective); the grace thread
+    reads the signals from the wakeup fd and ends the process on the second Ctrl-C."""
+    codes: list[int] = []
+    exited = threading.Event()
+    grace = StopGrace(30.0, rank=0, exit_fn=lambda c: (codes.append(c), exited.set()))
+    flag = PreemptionFlag(grace, exit_fn=lambda c: None)  # only the grace thread may end it here
+    flag.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(DOUBLE_DELIVERY_S + 0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert exited.wait(3), "the second Ctrl-C did not end the process"
+    finally:
+        flag.uninstall()
+    assert codes == [ExitCode.INTERRUPTED]
