@@ -117,7 +117,12 @@ def test_a_new_node_joining_grows_the_job_back_to_two(tmp_path: Path, agents: li
         assert agents[0].wait(240) == 0 and joined.wait(60) == 0, agents[0].output[-3000:]
     bigger = [e for e in all_events(tmp_path, "first_step") if e["world_size"] == 2 and event_time(e) > joined.started]
     assert bigger, "the job never grew back to world size 2"
-    assert event_time(bigger[0]) - joined.started < 20, f"grow took {event_time(bigger[0]) - joined.started:.1f}s"
+    # Unloaded the grow takes ~10 s (the new agent's start, the next membership check, a stop at the
+    # exact step, the workers' start); CI's second lane makes that up to ~3x. The bound separates
+    # "grown at the next membership check" from "grown only when a timeout fired" (--hang-timeout 60);
+    # the grow's cost itself is measured by the benchmarks, not here.
+    grow_s = event_time(bigger[0]) - joined.started
+    assert grow_s < 50, f"grow took {grow_s:.1f}s"
 
 
 def test_losing_the_node_at_the_rendezvous_endpoint_with_the_standalone_store_is_survived(
@@ -204,24 +209,30 @@ def test_chaos_kills_workers_every_mtbf_and_the_job_still_finishes(tmp_path: Pat
     from tests.helpers import ROOT, base_env
 
     args = [*LONG, *dirs(tmp_path)]
-    job = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "torchrun"),
-            "--standalone",
-            "--nproc_per_node=2",
-            "--max-restarts=5",
-            "-m",
-            "elastic_train",
-            *args,
-        ],
-        env=base_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    console = tmp_path / "console.txt"
+    with console.open("w") as out_file:
+        job = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "torchrun"),
+                "--standalone",
+                "--nproc_per_node=2",
+                "--max-restarts=5",
+                "-m",
+                "elastic_train",
+                *args,
+            ],
+            env=base_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+            cwd=ROOT,
+            stdout=out_file,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     try:
+        # Chaos starts once a checkpoint is committed: on a loaded machine start-up alone can take
+        # longer than the first MTBF, and a kill before any commit restarts from scratch, which
+        # books no recovery (there is nothing to resume) and tests nothing this test is about.
+        wait_for(lambda: bool(committed_steps(tmp_path)) or job.poll() is not None, 120, "a first checkpoint")
         chaos = subprocess.run(
             [
                 sys.executable,
@@ -239,10 +250,12 @@ def test_chaos_kills_workers_every_mtbf_and_the_job_still_finishes(tmp_path: Pat
             text=True,
             timeout=60,
         )
-        out, _ = job.communicate(timeout=240)
+        job.wait(timeout=240)
     finally:
         if job.poll() is None:
-            job.kill()
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    out = console.read_text()
     kills = [json.loads(line) for line in chaos.stdout.splitlines() if "chaos_kill" in line]
     assert 1 <= len(kills) <= 3, chaos.stdout
     assert job.returncode == 0, out[-3000:]

@@ -61,22 +61,24 @@ def test_a_killed_worker_is_forked_again_warm_and_ends_bitwise_equal(tmp_path: P
 
 
 def test_sigterm_to_the_warm_launcher_checkpoints_and_is_booked_as_a_stop_not_a_preemption(tmp_path: Path) -> None:
-    long_run = flags(
-        batch_size=32, max_steps_per_epoch=200, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=2
-    )
-    args = [*long_run, *dirs(tmp_path)]
-    env = base_env(AGENT_ENV)
+    short = flags(batch_size=32, max_steps_per_epoch=6, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=2)
+    args = [*short, *dirs(tmp_path)]
+    # Rank 0 holds at the start of step 5 (step 2's checkpoint committed) until the test releases
+    # it after the signal: the stop lands mid-run whatever the machine's speed.
+    env = base_env({**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "hold:rank=0:step=5:until=go"})
     cmd = [sys.executable, "-m", "elastic_train.launch", *STANDALONE_2, "-m", "elastic_train", *args]
     proc = subprocess.Popen(
         cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 120
-        log = tmp_path / "logs" / "rank-0.jsonl"
-        while not (log.exists() and '"checkpoint_committed"' in log.read_text()):
+        faults = tmp_path / "ckpt" / ".faults"
+        while not (faults / "fault-hold-rank0-step5-untilgo.fired").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.2)
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)  # the agent forwards it to both forked workers
+        time.sleep(0.3)
+        (faults / "go").write_text("")
         out, err = proc.communicate(timeout=90)
     finally:
         kill_group(proc)
