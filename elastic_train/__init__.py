@@ -64,6 +64,7 @@ _EXPORTS: dict[str, str] = {
     "SavePolicy": "elastic_train.boundary",
     "Decision": "elastic_train.boundary",
     "Votes": "elastic_train.boundary",
+    "FinalCheckpointFailed": "elastic_train.boundary",
     "PreemptionFlag": "elastic_train.resilience.preemption",
     "StopGrace": "elastic_train.resilience.preemption",
     "StopKind": "elastic_train.resilience.preemption",
@@ -100,6 +101,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers see: the same names, eagerly (`as` marks a re-export)
     from elastic_train.boundary import Decision as Decision
+    from elastic_train.boundary import FinalCheckpointFailed as FinalCheckpointFailed
     from elastic_train.boundary import SavePolicy as SavePolicy
     from elastic_train.boundary import StepBoundary as StepBoundary
     from elastic_train.boundary import Votes as Votes

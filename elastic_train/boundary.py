@@ -34,12 +34,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
+from elastic_train.checkpoint.format import latest_target
 from elastic_train.checkpoint.manager import Checkpointer
 from elastic_train.checkpoint.snapshot import Snapshot
 from elastic_train.distributed.process_group import ControlPlane
+from elastic_train.outcome import ExitCode
 from elastic_train.resilience.preemption import PreemptionFlag, StopKind
 
 log = structlog.get_logger(__name__)
@@ -90,6 +93,27 @@ class DirectoryLost(Exception):
             "this run can commit nothing more and stops"
         )
         self.step = step
+
+
+class FinalCheckpointFailed(Exception):
+    """Raised on every rank when training finished but its final checkpoint did not commit (a
+    full disk, a storage error): the run is not over until its final state is on disk
+    (``ExitCode.FINAL_CHECKPOINT_FAILED``)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"training finished at step {step}, but its final checkpoint was not committed")
+        self.step = step
+
+    def console_lines(self, checkpoint_dir: Path) -> list[str]:
+        """What the person at the console reads instead of "Training completed successfully"."""
+        kept = latest_target(checkpoint_dir)
+        return [
+            f"Training finished at step {self.step}, but its final checkpoint could NOT be committed "
+            "(the checkpoint_failed line in the log says why; a full disk?).",
+            f"{checkpoint_dir}/latest is {kept.name if kept else 'missing'}: fix the storage and run the same "
+            f"command again; it resumes from there and trains the rest again. Exiting with code "
+            f"{int(ExitCode.FINAL_CHECKPOINT_FAILED)}",
+        ]
 
 
 @dataclass(frozen=True)

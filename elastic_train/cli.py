@@ -41,8 +41,9 @@ from elastic_train.config import (
     TrainConfig,
     is_model_name,
 )
+from elastic_train.distributed import usage_memo
 from elastic_train.distributed.env import DistEnv
-from elastic_train.errors import UsageError, report_usage_error
+from elastic_train.errors import UsageError, last_usage_error, report_usage_error
 from elastic_train.logs import configure_logging, detach_rank_log
 from elastic_train.outcome import ExitCode
 
@@ -220,6 +221,8 @@ def check_inputs(cfg: TrainConfig) -> None:
             f"--data-dir {cfg.data_dir} {what}",
             "pass the folder holding the dataset (for tiny-imagenet: the extracted tree or the .zip's folder)",
         )
+    for flag, folder in (("--log-dir", cfg.log_dir), ("--checkpoint-dir", cfg.checkpoint_dir)):
+        _check_writable(flag, folder)
     if cfg.resume not in ("auto", "never") and not Path(cfg.resume).exists():
         raise UsageError(
             f"--resume {cfg.resume} does not exist",
@@ -235,15 +238,39 @@ def check_inputs(cfg: TrainConfig) -> None:
         registry_name(cfg.model)
 
 
+def _check_writable(flag: str, folder: Path) -> None:
+    """``folder`` exists as a writable folder or can be made one, judged without creating
+    anything (bad input writes nothing): its nearest existing ancestor must be a writable folder."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(
+            f"{flag} {folder} cannot be created: {existing} is a file, not a folder", f"pass a folder path to {flag}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is not writable" if existing == folder else f"cannot be created: {existing} is not writable"
+        raise UsageError(f"{flag} {folder} {where}", f"pass a folder you can write to {flag}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The launcher's pid, read before anything slow: an agent SIGKILLed while this worker imports
     # torch has re-parented it by the time the parent watch starts (resilience/orphan.py).
     launcher_pid = os.getppid()
     env: DistEnv | None = None
     code = 1
+    launch = usage_memo.launch_of(launcher_pid)
+    earlier: str | None = None
     try:
         env = DistEnv.from_environ()
         configure_logging(env)
+        if launch is not None and env.launched and env.restart_count:
+            earlier = usage_memo.recall(launch)
+        if earlier is not None:
+            raise UsageError(
+                f"{earlier} [met by this launch's first attempt; restart {env.restart_count} was not tried: "
+                "retrying cannot fix input]"
+            )
         cfg = parse_config(argv)
         cfg.check_world_size(env.world_size)
         check_inputs(cfg)
@@ -262,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         detach_rank_log()
         if code == ExitCode.USAGE and env is not None and env.launched:
+            message = last_usage_error()
+            if launch is not None and message is not None and earlier is None:
+                usage_memo.remember(launch, message)
             _settle_before_usage_exit()
 
 

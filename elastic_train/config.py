@@ -155,6 +155,11 @@ class TrainConfig:
                 f"--keep-last {self.keep_last} must be >= 2",
                 "keep at least 2 so a corrupt newest checkpoint still leaves one to fall back on",
             )
+        if self.data_dir is not None and self.dataset not in DATASETS_NEEDING_DIR and self.task is None:
+            raise UsageError(
+                f"--data-dir {self.data_dir} is given, but --dataset {self.dataset} does not read files",
+                f"pass --dataset {' or '.join(DATASETS_NEEDING_DIR)} to train on that folder, or drop --data-dir",
+            )
         if self.dataset in DATASETS_NEEDING_DIR and self.data_dir is None:
             raise UsageError(
                 f"--dataset {self.dataset} needs --data-dir",

@@ -32,7 +32,16 @@ class _Ranked(Protocol):
     def is_main(self) -> bool: ...
 
 
+_last_reported: list[str] = []
+
+
+def last_usage_error() -> str | None:
+    """The message of the latest ``report_usage_error`` in this process (every rank's, printed or not)."""
+    return _last_reported[-1] if _last_reported else None
+
+
 def report_usage_error(exc: UsageError, env: _Ranked | None) -> None:
     """One message for the whole job: printed by rank 0 (or by a process that does not know its rank)."""
+    _last_reported.append(str(exc))
     if env is None or env.is_main:
         print(f"elastic-train: error: {exc}", file=sys.stderr, flush=True)

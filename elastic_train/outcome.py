@@ -57,6 +57,7 @@ class ExitCode(IntEnum):
     ORPHANED = 78  # the launcher died: the worker leaves instead of training on
     QUORUM_STATE_UNSAFE = 79  # --ft quorum: an error after the commit vote; the restarted worker heals
     LOCK_LOST = 80  # another job took the checkpoint directory's lock over: stopped, nothing more commits
+    FINAL_CHECKPOINT_FAILED = 81  # training finished, but its final checkpoint did not commit (full disk?)
     HUNG = 124  # the step watchdog saw no progress for --hang-timeout (as timeout(1) exits)
     INTERRUPTED = 130  # Ctrl-C (SIGINT): the exact step is checkpointed; rerun the command to continue
 
@@ -155,6 +156,12 @@ MEANINGS: Mapping[ExitCode, Meaning] = {
         "torchrun restarts, and the new attempt is refused (exit 2) while the other job holds the directory; "
         "the job script does not requeue on the marker of its own launch",
         f"`{LOCK_LOST_MARKER}` (rank 0)",
+    ),
+    ExitCode.FINAL_CHECKPOINT_FAILED: Meaning(
+        "every worker when training finished but its final checkpoint could not be committed (a full disk, a "
+        "storage error); the failed save's files are removed, the newest committed checkpoint is kept",
+        "a failure: torchrun restarts while its budget lasts (the restart resumes from the newest checkpoint, "
+        "trains the rest again and saves again), then the job script counts a crash; never 'completed'",
     ),
     ExitCode.HUNG: Meaning(
         "a worker whose step watchdog saw no progress for `--hang-timeout`",

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train import __version__
-from elastic_train.boundary import DirectoryLost, SavePolicy, StepBoundary
+from elastic_train.boundary import DirectoryLost, FinalCheckpointFailed, SavePolicy, StepBoundary
 from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Loaded, should_manage_checkpoints
 from elastic_train.config import TrainConfig
 from elastic_train.data import open_task_data
@@ -226,6 +226,8 @@ def _train_in_group(
             return _exit_preempted(cfg, env, console, preemption, exc)
         except DirectoryLost as exc:
             return _exit_lock_lost(cfg, env, console, exc)
+        except FinalCheckpointFailed as exc:
+            return _exit_final_checkpoint_failed(cfg, console, exc)
         finally:
             watchdog.stop()
             if preemption.grace is not None:
@@ -288,6 +290,14 @@ def _exit_preempted(cfg: TrainConfig, env: DistEnv, console: Console, flag: Pree
     if exc.kind is StopKind.INTERRUPT:
         console.line(continue_hint(cfg.checkpoint_dir))
     log.warning("exit", code=code, reason=exc.kind.verb.lower(), step=exc.step, committed=exc.committed)
+    return code
+
+
+def _exit_final_checkpoint_failed(cfg: TrainConfig, console: Console, exc: FinalCheckpointFailed) -> int:
+    code = ExitCode.FINAL_CHECKPOINT_FAILED
+    for line in exc.console_lines(cfg.checkpoint_dir):
+        console.line(line)
+    log.error("exit", code=code, reason="final_checkpoint_failed", step=exc.step)
     return code
 
 

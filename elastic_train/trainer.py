@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_train.boundary import Decision, StepBoundary
+from elastic_train.boundary import Decision, FinalCheckpointFailed, StepBoundary
 from elastic_train.checkpoint.manager import Loaded
 from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
 from elastic_train.config import TrainConfig
@@ -414,6 +414,8 @@ class Trainer:
                 finished = stopped_early or self.state.epoch >= self.cfg.epochs
                 decision = self.boundary.epoch_end(partial(self.snapshot, finished=finished), finished=finished)
                 self._obey(decision)
+                if finished and not decision.committed:
+                    raise FinalCheckpointFailed(self.state.step)
         return self._summary(time.perf_counter() - wall_start, stopped_early)
 
     def _summary(self, wall: float, stopped_early: bool) -> Summary:

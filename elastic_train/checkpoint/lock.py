@@ -409,11 +409,7 @@ class CheckpointLock:
                     self._lost.set()
                     if not self._lost_logged:
                         self._lost_logged = True
-                        log.error(
-                            "checkpoint_lock_lost",
-                            path=str(self.path),
-                            detail="another run took the directory over; this run no longer commits checkpoints",
-                        )
+                        self._log_lost()
                     continue
                 fd = self._fd
                 if fd is None:  # released while this beat was blocked in ``lost``
@@ -421,6 +417,28 @@ class CheckpointLock:
                 os.utime(fd)
             except OSError as exc:
                 log.error("checkpoint_lock_heartbeat_failed", error=repr(exc))
+
+    def _log_lost(self) -> None:
+        """Who has the lock now. Another replica of this job (quorum mode: the one saving now)
+        is a hand-over, part of normal work; only another job, or no lock at all, is an error."""
+        holder = self.inspect()
+        record = holder.record if holder is not None else {}
+        if record.get("owner") == self.owner:
+            log.info(
+                "checkpoint_lock_handed_over",
+                path=str(self.path),
+                to_host=record.get("host"),
+                to_pid=record.get("pid"),
+                detail="another replica of this job saves now",
+            )
+            return
+        log.error(
+            "checkpoint_lock_lost",
+            path=str(self.path),
+            owner=record.get("owner"),
+            detail="another run took the directory over (or the lock was removed); this run no longer commits "
+            "checkpoints",
+        )
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still ours.

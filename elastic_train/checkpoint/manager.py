@@ -29,6 +29,7 @@ step can mistake it for this run's.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 import uuid
@@ -505,7 +506,27 @@ class Checkpointer:
         if committed:
             self.last_committed_step = snap.step
             log.info("checkpoint_committed", step=snap.step, path=str(folder))
+        elif should_manage_checkpoints(self.env):
+            self._remove_failed(snap.step, folder)
         return committed
+
+    def _remove_failed(self, step: int, folder: Path) -> None:
+        """Rank 0, after a verdict of "not committed": the folder's shards are dead weight (no
+        manifest will ever name them), and on a full disk they hold the space the next save
+        needs. Every rank's write has returned by now (the results were gathered). Only under
+        our own lock, and only a folder without a manifest: another job that took the directory
+        over may be writing the same step's folder, and a committed folder is never touched."""
+        with self.lock.still_held() as held:
+            if not held or (folder / MANIFEST).exists():
+                return
+            try:
+                shutil.rmtree(folder)
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                log.error("checkpoint_cleanup_failed", step=step, path=str(folder), error=repr(exc))
+                return
+        log.warning("checkpoint_removed_failed", step=step, path=str(folder), detail="the files of a failed save")
 
     def _agree(self, ok: bool) -> bool:
         """Rank 0's verdict on the commit, shared (CPU tensor on the gloo group)."""

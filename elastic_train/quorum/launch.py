@@ -255,7 +255,15 @@ class Agent:
     def outcome(self) -> int:
         """How the training ended, from each replica group's last worker exit."""
         last = [slot.codes[-1] for slot in self.slots if slot.codes]
-        for code in (ExitCode.USAGE, ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.INTERRUPTED):
+        # A final checkpoint that never committed outranks the others' finish: the run's end is not on disk.
+        for code in (
+            ExitCode.USAGE,
+            ExitCode.FINAL_CHECKPOINT_FAILED,
+            ExitCode.OK,
+            ExitCode.PREEMPTED,
+            ExitCode.STOPPED,
+            ExitCode.INTERRUPTED,
+        ):
             if code in last:
                 return int(code)
         # Nobody finished: the most recent failure, a signal as the shell reports it (128 + N).

@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 
 from elastic_train import __version__
+from elastic_train.boundary import FinalCheckpointFailed
 from elastic_train.checkpoint.manager import Checkpointer
 from elastic_train.config import TrainConfig
 from elastic_train.data import open_task_data
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.process_group import Placement
 from elastic_train.errors import UsageError
-from elastic_train.faults import FaultInjector
+from elastic_train.faults import CheckpointFaults, FaultInjector
 from elastic_train.logs import Console, MetricsFile, attach_rank_log
 from elastic_train.outcome import ExitCode, continue_hint, stop_marker, write_stop_marker
 from elastic_train.quorum import warm
@@ -125,7 +126,9 @@ def _run(
         data = open_task_data(task, cfg, env)
     clock.mark("data")
     fingerprint = run_fingerprint(cfg, task, data.identify(), cfg.task is None)
-    checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint)
+    # The fault hooks reach the writer too (a slow or failing save of participant 0's).
+    faults = FaultInjector.from_environ(config.replica_group, cfg.checkpoint_dir / ".faults")
+    checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint, hooks=CheckpointFaults(faults))
     try:  # refuse a directory another job holds now; read-only: this job's current saver keeps it
         checkpointer.lock.check_available()
     except OSError as exc:
@@ -151,7 +154,6 @@ def _run(
     if preemption.grace is not None:
         preemption.grace.progress = lambda: watchdog.last_progress
     groups = int(os.environ.get(GROUPS_VAR, "1"))
-    faults = FaultInjector.from_environ(config.replica_group, cfg.checkpoint_dir / ".faults")
     trainer = QuorumTrainer(
         cfg, placement, task, data, checkpointer, preemption, watchdog, console, metrics, groups, faults, clock.started
     )
@@ -168,6 +170,11 @@ def _run(
         print(f"[{config.replica_id}] leaving the quorum to heal from a live peer: {exc}", file=sys.stderr, flush=True)
         log.error("rejoin", code=int(ExitCode.QUORUM_STATE_UNSAFE), reason=str(exc))
         return ExitCode.QUORUM_STATE_UNSAFE
+    except FinalCheckpointFailed as exc:
+        for line in exc.console_lines(cfg.checkpoint_dir):
+            console.line(line)
+        log.error("exit", code=int(ExitCode.FINAL_CHECKPOINT_FAILED), reason="final_checkpoint_failed", step=exc.step)
+        return ExitCode.FINAL_CHECKPOINT_FAILED
     except Preempted as exc:
         code = exc.kind.exit_code
         try:  # a failed stop save too; it never hides a peer replica's committed one

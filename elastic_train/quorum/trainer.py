@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from elastic_train.boundary import FinalCheckpointFailed
 from elastic_train.checkpoint.format import CheckpointInvalid, checkpoint_key, latest_target, step_dir_name, step_of
 from elastic_train.checkpoint.manager import Checkpointer, Loaded, NewerCommitted, choose_checkpoint, load
 from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
@@ -678,6 +679,8 @@ class QuorumTrainer:
         if stop:
             kind = self.preemption.kind if self.preemption.kind is not StopKind.NONE else StopKind.PREEMPT  # a peer's
             raise Preempted(step, bool(committed), kind)
+        if self.progress.finished and committed is False:  # participant 0's final save
+            raise FinalCheckpointFailed(step)
 
     def _save(self, step: int, sync: bool) -> bool | None:
         try:

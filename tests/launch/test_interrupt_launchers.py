@@ -124,3 +124,18 @@ def test_ctrl_c_on_the_quorum_launcher_exits_130_and_a_rerun_continues(tmp_path:
     again = run([*launch, "-m", "elastic_train", *RUN, *dirs(tmp_path)], timeout=180)
     assert again.returncode == 0, again.output
     assert f"step {marker.step}" in again.stdout, again.stdout
+
+
+def test_a_failed_final_save_in_quorum_mode_is_the_jobs_failure_not_a_success(tmp_path: Path) -> None:
+    """Participant 0 (whichever replica group it is) cannot write the final checkpoint: the other has
+    finished the same training, but the job's end is not on disk, so the agent exits 81."""
+    launch = [sys.executable, "-m", "elastic_train.quorum.launch", "--nproc-per-node", "2", "--max-restarts", "0"]
+    short = flags(batch_size=32, max_steps_per_epoch=4, epochs=1, target_accuracy=1.0, image_size=16)
+    done = run(
+        [*launch, "-m", "elastic_train", *short, *dirs(tmp_path)],
+        timeout=180,
+        env={"ELASTIC_TRAIN_FAULTS": "enospc:rank=0:step=4,enospc:rank=1:step=4"},
+    )
+    assert done.returncode == ExitCode.FINAL_CHECKPOINT_FAILED, done.output
+    assert "Training finished at step 4, but its final checkpoint could NOT be committed" in done.stdout, done.output
+    assert not (tmp_path / "ckpt" / "step-00000004").exists(), "the failed save's files were left behind"

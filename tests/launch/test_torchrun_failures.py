@@ -80,6 +80,22 @@ def test_a_missing_data_dir_under_torchrun_exits_2_on_every_rank_with_one_messag
     assert not (tmp_path / "run").exists(), "nothing may be written for bad input"
 
 
+def test_a_usage_error_ends_the_launch_at_its_first_attempt_and_restarts_exit_at_once(tmp_path: Path) -> None:
+    """Retrying cannot fix input: under --max-restarts=3 the restarts find the first attempt's
+    note (before importing torch) and exit 2 with its message, instead of running it all again."""
+    done = torchrun(
+        [*STANDALONE_2, "--max-restarts=3"],
+        ["--dataset", "tiny-imagenet", "--data-dir", str(tmp_path / "nonexistent"), *dirs(tmp_path / "run")],
+        timeout=120,
+    )
+    assert done.returncode != 0
+    problem = f"--data-dir {tmp_path / 'nonexistent'} does not exist"
+    assert done.stderr.count(problem) == 4, done.stderr  # once per attempt, from rank 0
+    assert done.stderr.count("was not tried: retrying cannot fix input") == 3, done.stderr
+    assert_no_worker_traceback(done.stderr)
+    assert not (tmp_path / "run").exists(), "nothing may be written for bad input"
+
+
 def test_corrupt_data_found_after_the_process_group_exits_2_on_every_rank_without_a_traceback(tmp_path: Path) -> None:
     data = tmp_path / "data"
     tiny_imagenet_zip(data)

@@ -28,6 +28,7 @@ from elastic_train.checkpoint.format import (
     step_folders,
     verify,
 )
+from elastic_train.outcome import ExitCode
 from tests.helpers import (
     RESUME_RUN,
     ROOT,
@@ -102,6 +103,21 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_training_goes
     committed = [e["step"] for e in events(tmp_path / "logs", 0, "checkpoint_committed")]
     assert 2 not in committed and committed[0] == 4, "the next interval must retry"
     assert not list((tmp_path / "ckpt").rglob(".*.tmp-*")), "temporary files left behind"
+    assert not (tmp_path / "ckpt" / step_dir_name(2)).exists(), "the failed save's files were left on the full disk"
+    assert_bitwise_equal(final_state(reference), final_state(tmp_path))
+
+
+def test_a_failed_final_save_is_a_failure_and_the_rerun_finishes_bitwise(tmp_path: Path, reference: Path) -> None:
+    done = cli([*RESUME_RUN, *dirs(tmp_path)], env={"ELASTIC_TRAIN_FAULTS": "enospc:rank=0:step=8"})
+    assert done.returncode == ExitCode.FINAL_CHECKPOINT_FAILED, done.output
+    assert "Training completed successfully" not in done.stdout, done.stdout
+    assert "Training finished at step 8, but its final checkpoint could NOT be committed" in done.stdout
+    assert f"{tmp_path / 'ckpt'}/latest is {step_dir_name(6)}" in done.stdout, done.stdout
+    assert latest_target(tmp_path / "ckpt") == tmp_path / "ckpt" / step_dir_name(6)
+    assert not (tmp_path / "ckpt" / step_dir_name(8)).exists(), "the failed save's files were left behind"
+    again = cli([*RESUME_RUN, *dirs(tmp_path)])
+    assert again.returncode == 0 and "Training completed successfully." in again.stdout, again.output
+    assert f"Resumed from {tmp_path / 'ckpt' / step_dir_name(6)}" in again.stdout
     assert_bitwise_equal(final_state(reference), final_state(tmp_path))
 
 

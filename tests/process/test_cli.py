@@ -65,6 +65,7 @@ def test_single_process_run_prints_the_seeds_lines_and_writes_logs(tmp_path: Pat
         (["--dataset", "tiny-imagenet", "--data-dir", "/nonexistent/tiny"], "/nonexistent/tiny does not exist"),
         (["--dataset", "imagefolder", "--data-dir", "/nonexistent/folder"], "/nonexistent/folder does not exist"),
         (["--batch-size", "8192"], "fewer than one global batch"),
+        (["--data-dir", "/nonexistent/folder"], "--dataset synthetic does not read files"),
     ],
 )
 def test_bad_input_exits_2_with_the_fix_and_leaves_logs_untouched(
@@ -79,6 +80,17 @@ def test_bad_input_exits_2_with_the_fix_and_leaves_logs_untouched(
     assert "Traceback" not in done.output
     assert [p.name for p in logs.iterdir()] == ["metrics.jsonl"]
     assert (logs / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+
+
+@pytest.mark.parametrize("flag", ["--log-dir", "--checkpoint-dir"])
+def test_an_output_folder_that_cannot_be_created_exits_2_without_a_traceback(tmp_path: Path, flag: str) -> None:
+    (tmp_path / "a-file").write_text("")
+    folders = {"--log-dir": tmp_path / "logs", "--checkpoint-dir": tmp_path / "ckpt", flag: tmp_path / "a-file" / "out"}
+    done = cli([*QUICK, *(item for pair in folders.items() for item in (pair[0], str(pair[1])))], timeout=90)
+    assert done.returncode == 2, done.output
+    assert f"{flag} {tmp_path / 'a-file' / 'out'} cannot be created: {tmp_path / 'a-file'} is a file" in done.stderr
+    assert "Traceback" not in done.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"], "bad input wrote something"
 
 
 def test_a_corrupt_zip_exits_2_naming_the_archive(tmp_path: Path) -> None:

@@ -547,6 +547,30 @@ def test_the_holder_beats_and_notices_when_its_lock_is_taken(tmp_path: Path, mon
     assert json.loads(lock.path.read_text())["owner"] == "job-2", "release must not remove another run's lock"
 
 
+def test_a_lock_taken_by_another_replica_of_the_same_job_is_a_hand_over_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quorum mode: the replica saving now takes the job's lock from the one that saved before.
+    The previous holder notices (it commits nothing more under it) but logs no error."""
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.05)
+    lock = CheckpointLock(tmp_path, owner="job-1", ttl_s=TTL)
+    lock.acquire()
+    try:
+        other = tmp_path / "other"
+        other.write_text(json.dumps({"owner": "job-1", "host": "elsewhere", "pid": 1}))
+        with capture_logs() as logs:
+            os.replace(other, lock.path)
+            deadline = time.monotonic() + 5
+            while not any(e["event"] == "checkpoint_lock_handed_over" for e in logs) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert lock.lost()
+        handed = [e for e in logs if e["event"] == "checkpoint_lock_handed_over"]
+        assert handed and handed[0]["log_level"] == "info" and handed[0]["to_host"] == "elsewhere"
+        assert not [e for e in logs if e["log_level"] == "error"], logs
+    finally:
+        lock.release()
+
+
 def test_the_lock_ttl_outlasts_the_hang_timeout_unless_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(lock_module.TTL_VAR, raising=False)
     for hang in (30.0, 90.0, 300.0):

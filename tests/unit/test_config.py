@@ -50,6 +50,7 @@ def test_the_seeds_flags_parse_with_the_seeds_meaning() -> None:
         (["--dataset", "tiny-imagenet"], "needs --data-dir"),
         (["--max-steps-per-epoch", "0"], "must be >= 1"),
         (["--epochs", "two"], "invalid int value"),
+        (["--data-dir", "/data/imagenet"], "--dataset synthetic does not read files"),
     ],
 )
 def test_bad_flags_raise_a_usage_error_with_a_fix(argv: list[str], problem: str) -> None:

@@ -208,6 +208,8 @@ def _agent(codes: list[list[int]]) -> Agent:
         ([[2], [-15]], ExitCode.USAGE),
         ([[-9], [124]], 124),  # nobody finished: the last failure's code
         ([[124], [-9]], 137),  # a signal as the shell reports it
+        ([[130], [130]], ExitCode.INTERRUPTED),  # Ctrl-C
+        ([[81, 81], [0]], ExitCode.FINAL_CHECKPOINT_FAILED),  # the others finished, but the end is not on disk
     ],
 )
 def test_the_agent_exit_status_says_how_the_training_ended(codes: list[list[int]], expected: int) -> None:
