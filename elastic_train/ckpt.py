@@ -57,9 +57,13 @@ def cmd_list(root: Path) -> int:
         else:
             try:
                 m = verify(folder)
-                state = f"ok: epoch {m.epoch}, batch {m.batch_in_epoch}, world size {m.world_size}" + (
-                    ", finished" if m.finished else ""
+                # Epochs as the console numbers them (from 1): the manifest's `epoch` counts those done.
+                where = (
+                    f"end of epoch {m.epoch}"
+                    if m.batch_in_epoch == 0 and m.epoch > 0
+                    else f"epoch {m.epoch + 1}, {m.batch_in_epoch} batch(es) in"
                 )
+                state = f"ok: step {m.step}, {where}, world size {m.world_size}" + (", finished" if m.finished else "")
             except CheckpointInvalid as exc:
                 state = f"INVALID: {exc}"
         print(f"{folder.name}  {state}{mark}")

@@ -20,6 +20,9 @@ launcher exits 130 too (a second Ctrl-C ends everything at once).
 The forkserver imports torch but never touches CUDA, so forked workers can use it.
 
 Only the trainer can be launched this way (``-m elastic_train``): that is what is preloaded.
+
+One default differs, for elastic node ranges (``--nnodes=1:2``): the rendezvous' last call is 5 s,
+not torch's 30 s, unless ``--rdzv-conf`` sets ``last_call_timeout`` (see ``with_short_last_call``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def _launch(argv: Sequence[str] | None) -> int:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    args.rdzv_conf = with_short_last_call(args.nnodes, args.rdzv_conf)
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
     # The agent logs a worker's failure with its traceback, and torch's log formatter imports
@@ -93,6 +97,21 @@ def _launch(argv: Sequence[str] | None) -> int:
     finally:
         _stop_helpers()
     return 0
+
+
+# torch waits this long (default 30 s) for more nodes once an elastic range's minimum is there, at
+# the start and at every restart: with --nnodes=1:2 on one node, every recovery paid it.
+SHORT_LAST_CALL_S = 5
+
+
+def with_short_last_call(nnodes: str, rdzv_conf: str) -> str:
+    """``--rdzv-conf`` with ``last_call_timeout`` of ``SHORT_LAST_CALL_S`` for an elastic node
+    range (``MIN:MAX`` with MIN < MAX), unless the user set one. A fixed node count has no last call."""
+    low, _, high = nnodes.partition(":")
+    if not high or low == high or "last_call_timeout" in rdzv_conf:
+        return rdzv_conf
+    extra = f"last_call_timeout={SHORT_LAST_CALL_S}"
+    return f"{rdzv_conf},{extra}" if rdzv_conf else extra
 
 
 def _stop_helpers() -> None:

@@ -370,6 +370,22 @@ def clear_markers(checkpoint_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+# Causes that end a launch (the job script requeues, or a person reruns): the time until the next
+# launch starts is between launches, not a recovery's (goodput's ``away_s``).
+ENDS_LAUNCH = frozenset({RestartCause.PREEMPTION, RestartCause.INTERRUPT})
+
+
+def previous_exit(checkpoint_dir: Path, since: float) -> Marker | None:
+    """The marker that says why the previous attempt ended (``previous_exit_cause``'s choice), or
+    None when it left none (a failure)."""
+    found = [m for m in read_markers(checkpoint_dir) if m.time >= since - CLOCK_SLACK_S]
+    for cause in PRECEDENCE:
+        chosen = [m for m in found if m.cause is cause]
+        if chosen:
+            return max(chosen, key=lambda m: m.time)
+    return None
+
+
 def previous_exit_cause(checkpoint_dir: Path, since: float) -> RestartCause:
     """Why the previous attempt ended, from its markers alone.
 
@@ -378,8 +394,8 @@ def previous_exit_cause(checkpoint_dir: Path, since: float) -> RestartCause:
     ignored. Several markers: ``PRECEDENCE`` decides. No marker: ``FAILURE``. Call it before
     ``clear_markers``.
     """
-    found = {m.cause for m in read_markers(checkpoint_dir) if m.time >= since - CLOCK_SLACK_S}
-    return next((cause for cause in PRECEDENCE if cause in found), RestartCause.FAILURE)
+    marker = previous_exit(checkpoint_dir, since)
+    return marker.cause if marker is not None else RestartCause.FAILURE
 
 
 def markdown_table() -> str:

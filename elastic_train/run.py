@@ -26,13 +26,14 @@ from elastic_train.faults import CheckpointFaults, FaultInjector
 from elastic_train.image_classification import image_task
 from elastic_train.logs import Console, attach_rank_log, configure_logging
 from elastic_train.outcome import (
+    ENDS_LAUNCH,
     ExitCode,
     Marker,
     RestartCause,
     clear_markers,
     continue_hint,
     lock_lost_marker,
-    previous_exit_cause,
+    previous_exit,
     stop_marker,
     write_marker,
 )
@@ -130,7 +131,7 @@ def train(
     if env is None:  # called as a library function, not from the command line
         env = DistEnv.from_environ()
         configure_logging(env)
-    clock = StartupClock()
+    clock = StartupClock(launcher_pid if env.launched else None)
     clock.mark("interpreter_and_imports")
     if env.launched:
         ParentWatch(env.rank, launcher_pid).start()  # a worker whose launcher died must not train on
@@ -192,7 +193,7 @@ def _train_in_group(
             process_started=clock.started,
             startup_s=clock.phases(),
         )
-        tracker = _progress_tracker(cfg, env, loaded)
+        tracker = _progress_tracker(cfg, env, loaded, clock.launch_started)
         if should_manage_checkpoints(env):
             clear_markers(cfg.checkpoint_dir)  # read by _progress_tracker: they described the previous attempt
         if loaded is not None and loaded.manifest.finished:
@@ -255,8 +256,13 @@ def _train_in_group(
     return ExitCode.OK
 
 
-def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None) -> ProgressTracker:
-    """The job's goodput bookkeeping: inherited from the checkpoint, plus this recovery if any."""
+def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None, launch_started: float) -> ProgressTracker:
+    """The job's goodput bookkeeping: inherited from the checkpoint, plus this recovery if any.
+
+    A deliberate ``--resume PATH`` from another directory starts a new job from that state (a
+    fine-tune, a branch): no recovery is booked, and its clock starts now, not at the old job's."""
+    if loaded is not None and _started_elsewhere(cfg, loaded):
+        loaded = None
     previous = read_progress(cfg.checkpoint_dir) if loaded is not None else None
     saved = loaded.payload.accounting if loaded is not None else None
     if saved:
@@ -267,17 +273,29 @@ def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None) -> 
     if loaded is not None and not loaded.manifest.finished:
         since = float(previous["time"]) if previous else 0.0
         # Before clear_markers (the caller's next step): the markers say how that attempt ended.
-        cause = (
-            previous_exit_cause(cfg.checkpoint_dir, since) if should_manage_checkpoints(env) else RestartCause.FAILURE
-        )
-        tracker.begin_recovery(cause, loaded.manifest.step, previous)
+        marker = previous_exit(cfg.checkpoint_dir, since) if should_manage_checkpoints(env) else None
+        cause = marker.cause if marker is not None else RestartCause.FAILURE
+        # A launch that ended (Ctrl-C, a preemption) and this one: the time between is nobody's.
+        away = launch_started - marker.time if marker is not None and cause in ENDS_LAUNCH else 0.0
+        tracker.begin_recovery(cause, loaded.manifest.step, previous, away_s=max(0.0, away))
         log.info(
             "recovery",
             cause=cause,
             resumed_step=loaded.manifest.step,
             reached_step=previous["step"] if previous else None,
+            between_launches_s=round(max(0.0, away), 3),
         )
     return tracker
+
+
+def _started_elsewhere(cfg: TrainConfig, loaded: Loaded) -> bool:
+    """``--resume PATH`` named a checkpoint outside this run's ``--checkpoint-dir``."""
+    if cfg.resume in ("auto", "never"):
+        return False
+    try:
+        return loaded.folder.resolve().parent != cfg.checkpoint_dir.resolve()
+    except OSError:
+        return False
 
 
 def _exit_preempted(cfg: TrainConfig, env: DistEnv, console: Console, flag: PreemptionFlag, exc: Preempted) -> int:

@@ -11,10 +11,11 @@ import os
 import time
 
 
-def process_start_time() -> float:
-    """Wall-clock time this process was started by the kernel (import time where /proc is absent)."""
+def process_start_time(pid: int | None = None) -> float:
+    """Wall-clock time process ``pid`` (default: this one) was started by the kernel; this
+    module's import time where /proc cannot say."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid if pid is not None else 'self'}/stat") as f:
             # Field 22 (starttime, clock ticks since boot); the command name may contain spaces.
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         # Against the boot clock, not /proc/stat's btime: btime has a resolution of 1 s.
@@ -30,8 +31,11 @@ _IMPORTED = time.time()
 class StartupClock:
     """Marks the end of each startup phase; ``phases()`` gives seconds per phase, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, launcher_pid: int | None = None) -> None:
         self.started = process_start_time()
+        # When this launch began: its launcher's start (torchrun's agent, the warm launcher's
+        # forkserver), else this process's. Goodput's time between launches ends here.
+        self.launch_started = min(self.started, process_start_time(launcher_pid)) if launcher_pid else self.started
         self._marks: list[tuple[str, float]] = []
 
     def mark(self, phase: str) -> None:

@@ -13,13 +13,17 @@ What a snapshot holds, by key family (``checkpoint.state``):
   metric sums). They are restored only at the same world size; at another size a loop reads
   every old rank's values (``Restored.old_ranks``) and decides (the trainer folds sums).
 
-Contract for an async save (``sync=False``): the tensors must not change until
-``Checkpointer.wait_staged`` returns (call it before the optimizer step). Module buffers change
-in the forward pass, earlier: ``capture`` clones them.
+What a save writes is the state as of ``capture``. The loop's own tensors (``extra``,
+``per_rank``) and module buffers are cloned there: the loop changes them in place at any time
+(running sums at the next batch, buffers in the next forward pass). Parameters and optimizer
+state are not copied twice: for an async save (``sync=False``) they must not change until
+``Checkpointer.wait_staged`` returns (call it before the optimizer step; ``Checkpointer.guard``
+holds every in-place change to them back until then).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -110,6 +114,12 @@ def capture(
     here, on every rank: a value JSON cannot hold raises ``ValueError`` before any collective);
     RNG streams (torch, CUDA on ``device``, numpy, python) are always captured. What a resumed
     run must share with this one is the ``Checkpointer``'s fingerprint, written with every save.
+
+    ``extra`` and ``per_rank`` tensors (and module buffers) are cloned here, on their own device:
+    the save writes their values as of this call, whatever the loop does to them afterwards.
+    The clones cost their size once more on that device while the snapshot is held (an async
+    save holds it until its commit): small for metric sums, a model's worth for an EMA copy of
+    the weights. Parameters and optimizer state are referenced, not cloned: see the module doc.
     """
     model_sd, optim_sd = state_dicts(model, optimizer)
     replicated, optim_meta = flatten(model_sd, optim_sd)
@@ -119,20 +129,27 @@ def capture(
     buffers = frozenset(MODEL + name for name, _ in model.named_buffers()) & replicated.keys()
     for key in buffers:
         replicated[key] = replicated[key].clone()
+    # The loop's own tensors are cloned as well, whatever their size: nothing but the loop
+    # orders its in-place updates (running sums bumped before ``wait_staged``) against a save's
+    # copy or against ``save`` itself, and a batch saved twice is counted twice after a resume.
+    # A CUDA tensor is cloned on its device, queued on the current stream (no sync), before the
+    # event that an async save's copy waits for.
     for name, value in (extra or {}).items():
-        replicated[EXTRA + name] = value.detach()
-    rank_state = capture_rng(device)
+        replicated[EXTRA + name] = value.detach().clone()
+    rank_state = capture_rng(device)  # fresh tensors already
     for name, value in (per_rank or {}).items():
         if name.startswith("rng."):
             raise ValueError(f"per-rank state {name!r}: the rng. prefix is reserved for the RNG streams")
-        rank_state[name] = value.detach()
+        rank_state[name] = value.detach().clone()
     scaler_state = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+    # Deep copies, for the reason the tensors are cloned: an async save writes the manifest at its
+    # commit, steps later, and a loop may append to the lists it passed (``app={"history": h}``).
     payload = Payload(
         optimizer=optim_meta,
-        scheduler=scheduler.state_dict() if scheduler is not None else None,
+        scheduler=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None,
         scaler=scaler_state or None,
-        accounting=dict(accounting) if accounting is not None else None,
-        app=dict(app or {}),
+        accounting=copy.deepcopy(dict(accounting)) if accounting is not None else None,
+        app=copy.deepcopy(dict(app or {})),
     )
     # Checked here, on every rank, before any collective: a value the manifest cannot give back
     # would otherwise fail rank 0's commit, or come back changed (a tuple as a list).
@@ -146,7 +163,7 @@ def capture(
         replicated=replicated,
         per_rank=rank_state,
         payload=payload,
-        config=dict(config or {}),
+        config=copy.deepcopy(dict(config or {})),
         from_rank0=buffers,
     )
 

@@ -6,7 +6,13 @@
   in the checkpoint, to the time after it; recomputed steps are timed once, when they count).
 * a recovery: from the last progress before a failure until the resumed run is back at the step
   it had reached. Its cost covers detection, restart, loading and recomputation.
-* ``Goodput = productive time / (now - job_start)``.
+* time between launches (``away_s``): from the end of an attempt that ended the launch (Ctrl-C,
+  a preemption: their markers' time) to the start of the next launch's launcher (torchrun's
+  agent, or the process itself). It is nobody's loss: not counted as lost, and left out of the
+  wall time goodput is taken over (a requeue's wait in the queue, a night between two runs).
+* ``Goodput = productive time / (now - job_start - away_s)``: the share of the job's own wall
+  time spent in training steps that count. Start-up, evaluation, checkpoint waits and recoveries
+  all count against it, so a short fault-free run shows well under 1.
 
 Rank 0 keeps ``<checkpoint-dir>/.progress.json`` (job start, the highest step reached and when),
 rewritten after every step, so the next attempt knows exactly how far the failed one got. The
@@ -42,6 +48,7 @@ class Accounting:
     restarts: dict[str, int] = field(default_factory=dict)  # RestartCause value -> count
     lost_s: float = 0.0
     recomputed_steps: int = 0
+    away_s: float = 0.0  # between launches: not the job's wall time
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,16 +60,22 @@ class Accounting:
             dict(raw.get("restarts", {})),
             float(raw.get("lost_s", 0.0)),
             int(raw.get("recomputed_steps", 0)),
+            float(raw.get("away_s", 0.0)),
         )
 
+    def wall(self, now: float) -> float:
+        """The job's own wall time: since its start, less the time between its launches."""
+        return max(now - self.job_start - self.away_s, 1e-9)
+
     def goodput(self, productive_s: float, now: float) -> float:
-        return min(1.0, productive_s / max(now - self.job_start, 1e-9))
+        return min(1.0, productive_s / self.wall(now))
 
     def summary_lines(self, productive_s: float, now: float) -> list[str]:
-        wall = max(now - self.job_start, 1e-9)
+        wall = self.wall(now)
         causes = ", ".join(f"{cause}: {n}" for cause, n in sorted(self.restarts.items()))
+        between = f" ({self.away_s:.3f} s between launches not counted)" if self.away_s > 0 else ""
         return [
-            f"Wall time since job start: {wall:.3f} seconds",
+            f"Wall time since job start: {wall:.3f} seconds{between}",
             f"Productive step time: {productive_s:.3f} seconds",
             f"Restarts: {sum(self.restarts.values())}" + (f" ({causes})" if causes else ""),
             f"Time lost to recovery: {self.lost_s:.3f} seconds",
@@ -100,16 +113,21 @@ class ProgressTracker:
         self._recovering_until: int | None = None  # step the failed attempt had reached
         self._progress_time = 0.0
 
-    def begin_recovery(self, cause: str, resumed_step: int, previous: dict[str, Any] | None) -> None:
+    def begin_recovery(
+        self, cause: str, resumed_step: int, previous: dict[str, Any] | None, away_s: float = 0.0
+    ) -> None:
         """A run resumed from a checkpoint: count it, and time it until it is back where it was.
 
         ``cause``: a ``RestartCause`` (``outcome.previous_exit_cause``); its value is the key stored.
+        ``away_s``: of the time since the last progress, how much lay between two launches (see
+        the module docstring); it is neither lost nor the job's wall time.
         """
         key = RestartCause(cause).value  # a typo'd cause fails here, not as a new key in every checkpoint
         self.accounting.restarts[key] = self.accounting.restarts.get(key, 0) + 1
         reached = int(previous["step"]) if previous else resumed_step
         self.accounting.recomputed_steps += max(0, reached - resumed_step)
-        self._progress_time = float(previous["time"]) if previous else self._clock()
+        self.accounting.away_s += max(0.0, away_s)
+        self._progress_time = (float(previous["time"]) if previous else self._clock()) + max(0.0, away_s)
         self._recovering_until = max(reached, resumed_step)
 
     def on_step(self, step: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,23 @@ def test_synchronous_saves_with_retention_resume_after_a_kill_like_an_uninterrup
     verify(tmp_path / "ckpt" / step_dir_name(9), sha256=True)
     deleted = {Path(e["path"]).name for e in events(tmp_path / "logs", 0, "checkpoint_deleted")}
     assert {step_dir_name(s) for s in range(3, 8)} <= deleted, "deleted by the resumed run's retention"
+
+
+def test_resume_path_from_another_runs_directory_starts_a_new_job_not_a_recovery(
+    tmp_path: Path, reference: Path
+) -> None:
+    """A fine-tune or a branch: the state continues, but the job is new. Nothing is booked as a
+    restart and the wall clock starts now, not when the other run started."""
+    start = reference / "ckpt" / step_dir_name(STEPS)
+    began = time.time()
+    done = cli([*RUN, *dirs(tmp_path / "branch"), "--resume", str(start)])
+    ok(done)
+    assert f"Resumed from {start} at epoch 2, step {STEPS}" in done.stdout
+    assert "Restarts: 0" in done.stdout, done.stdout
+    assert not events(tmp_path / "branch" / "logs", 0, "recovery")
+    wall = float(done.stdout.split("Wall time since job start: ")[1].split()[0])
+    assert wall <= time.time() - began + 1, f"the branch inherited the other job's clock: {wall:.1f}s"
+    assert_bitwise_equal(final_state(reference), final_state(tmp_path / "branch"))
 
 
 def test_resume_path_to_an_older_checkpoint_continues_from_it_and_sets_the_abandoned_future_aside(

@@ -206,7 +206,7 @@ def test_ckpt_tool_lists_verifies_inspects_and_exports(tmp_path: Path, reference
     shutil.copytree(reference / "ckpt", tmp_path / "ckpt", symlinks=True)
     listing = tool("list", str(tmp_path / "ckpt"))
     assert listing.returncode == 0
-    assert "step-00000008  ok: epoch 2, batch 0, world size 1, finished <- latest" in listing.stdout
+    assert "step-00000008  ok: step 8, end of epoch 2, world size 1, finished <- latest" in listing.stdout
     assert tool("verify", str(tmp_path / "ckpt")).returncode == 0
     inspect = tool("inspect", str(tmp_path / "ckpt"))
     assert "step         8" in inspect.stdout and "world size   1" in inspect.stdout

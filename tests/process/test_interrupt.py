@@ -74,10 +74,15 @@ def test_ctrl_c_checkpoints_the_step_exits_130_and_a_rerun_continues_bitwise(tmp
     assert f"Interrupted by SIGINT at step {marker.step}: checkpoint committed; exiting with code 130" in out, out
     assert "To continue, run the same command again" in out
     assert latest_target(base / "ckpt") == base / "ckpt" / f"step-{marker.step:08d}"
-    # The same command again: it resumes at the stop step and ends where the reference ended.
+    # The same command again, after a pause: it resumes at the stop step and ends where the
+    # reference ended; the pause is time between launches, neither lost nor the job's.
+    time.sleep(3)
     again = cli([*RUN, *dirs(base)])
     assert again.returncode == 0, again.output
     assert f"step {marker.step}" in again.stdout and "(interrupt: 1)" in again.stdout, again.stdout
+    between = float(again.stdout.split("seconds (")[1].split(" s between launches")[0])
+    lost = float(again.stdout.split("Time lost to recovery: ")[1].split()[0])
+    assert between >= 3 and lost < between, again.stdout
     assert not (base / "ckpt" / INTERRUPTED_MARKER).exists()
     assert_bitwise_equal(final_state(base), final_state(tmp_path / "reference"))
 

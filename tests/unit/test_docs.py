@@ -70,7 +70,8 @@ COVERED_BY.update(
         r"--epochs 2 --max-steps-per-epoch 5 --target-accuracy 1\.0": EXAMPLES
         + "test_the_readme_examples_run_verbatim",
         r"torchrun --nnodes=1:2 --nproc-per-node=2 --max-restarts=3 --rdzv-backend=c10d "
-        r"--rdzv-endpoint=localhost:29400 --rdzv-id=charlm examples/char_lm\.py --checkpoint-dir checkpoints/charlm": (
+        r"--rdzv-endpoint=localhost:29400 --rdzv-id=charlm --rdzv-conf=last_call_timeout=5 examples/char_lm\.py "
+        r"--checkpoint-dir checkpoints/charlm": (
             EXAMPLES + "test_the_custom_loop_survives_a_killed_worker_and_ends_bit_for_bit_equal"
         ),
     }

@@ -29,6 +29,25 @@ def test_a_recovery_is_counted_and_timed_until_the_run_is_back_where_it_was(tmp_
     assert progress is not None and progress["job_start"] == acct.job_start and progress["step"] >= 11
 
 
+def test_time_between_launches_is_neither_lost_nor_the_jobs_wall_time(tmp_path: Path) -> None:
+    """Ctrl-C at t=100, a rerun launched at t=400 that is back at the step 10 s later: 300 s were
+    between launches, 10 s were the recovery's."""
+    now = [1000.0]
+    acct = Accounting(job_start=now[0] - 100)
+    tracker = ProgressTracker(tmp_path, acct, enabled=True, clock=lambda: now[0])
+    now[0] += 310
+    tracker.begin_recovery(
+        "interrupt", resumed_step=7, previous={"job_start": acct.job_start, "step": 7, "time": 1000.0}, away_s=300.0
+    )
+    tracker.on_step(8)
+    assert acct.lost_s == pytest.approx(10.0) and acct.away_s == 300.0
+    assert acct.wall(now[0]) == pytest.approx(110.0)  # 100 s before the interrupt, 10 s after
+    lines = acct.summary_lines(productive_s=55.0, now=now[0])
+    assert lines[0] == "Wall time since job start: 110.000 seconds (300.000 s between launches not counted)"
+    assert lines[-1] == "Goodput: 0.50"
+    assert Accounting.from_json(json.loads(json.dumps(acct.to_json()))) == acct
+
+
 def test_summary_lines_and_goodput() -> None:
     now = time.time()
     acct = Accounting(job_start=now - 200, restarts={"failure": 1, "preemption": 2}, lost_s=12.5, recomputed_steps=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -95,6 +96,56 @@ def test_buffers_are_cloned_at_capture_and_extras_are_namespaced() -> None:
     assert EXTRA + "ema" in snap.replicated
     with pytest.raises(ValueError, match=r"rng\. prefix is reserved"):
         et.capture(et.Position(1), model, opt, device=CPU, per_rank={"rng.mine": mean})
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_extra_and_per_rank_tensors_are_saved_as_they_were_at_capture(
+    world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    """A loop that adds its next batch to its running sums in place before ``wait_staged``
+    (async) or between ``capture`` and ``save`` (sync) must not get that batch saved: a resumed
+    run would count it twice."""
+    model = net()
+    opt, _ = trained(model, 1)
+    ema, sums = torch.arange(4.0), torch.tensor([3.0, 7.0])
+    at_capture = ema.clone(), sums.clone()
+    release = threading.Event()
+    real_stage = et.Checkpointer._stage
+
+    def held_stage(self: et.Checkpointer, key: str, value: torch.Tensor) -> torch.Tensor:
+        release.wait(10)  # the writer copies only once the loop has moved on
+        return real_stage(self, key, value)
+
+    monkeypatch.setattr(et.Checkpointer, "_stage", held_stage)
+    ck = et.Checkpointer(et.CheckpointConfig(root=tmp_path), et.DistEnv(), FINGERPRINT)
+    ck.start()
+    snap = et.capture(et.Position(1), model, opt, device=CPU, extra={"ema": ema}, per_rank={"sums": sums})
+
+    def next_batch() -> None:  # in place, as a loop keeps its running state
+        ema.mul_(0.5)
+        sums.add_(1.0)
+
+    if sync:
+        next_batch()
+        assert ck.save(snap, sync=True) is True
+    else:
+        assert ck.save(snap, sync=False) is None
+        next_batch()
+        release.set()
+        ck.wait_staged()
+        assert ck.commit_pending() is True
+    ck.close()
+
+    model2 = net()
+    opt2, _ = trained(model2, 0)
+    ck2 = et.Checkpointer(et.CheckpointConfig(root=tmp_path), et.DistEnv(), FINGERPRINT)
+    ck2.start()
+    loaded = ck2.resume()
+    ck2.close()
+    assert loaded is not None
+    done = et.restore(loaded, model2, opt2, rank=0, world_size=1, device=CPU)
+    saved = done.extra["ema"], done.old_ranks[0]["sums"]
+    assert all(torch.equal(got, want) for got, want in zip(saved, at_capture, strict=True)), saved
 
 
 def test_another_world_size_restores_weights_but_not_rng_streams(world_of_one: None, tmp_path: Path) -> None:
@@ -197,6 +248,18 @@ def test_a_newer_builds_checkpoint_stops_the_run_and_is_never_set_aside(world_of
         "step-00000001",
         "step-00000002",
     ]
+
+
+def test_loop_json_state_is_copied_at_capture() -> None:
+    """An async save writes the manifest at its commit, steps later: a history the loop appends
+    to meanwhile must not reach it."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    history = [{"epoch": 1}]
+    snap = et.capture(et.Position(1), model, opt, device=CPU, app={"history": history}, config={"tags": ["a"]})
+    history.append({"epoch": 2})
+    history[0]["epoch"] = 99
+    assert snap.payload.app == {"history": [{"epoch": 1}]} and snap.config == {"tags": ["a"]}
 
 
 def test_loop_state_that_json_cannot_hold_is_refused_at_capture() -> None:
