@@ -20,8 +20,10 @@ and only a valid run imports the runtime (``elastic_train.run``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +34,9 @@ import structlog
 from elastic_train import __version__
 from elastic_train.config import (
     AMP_DTYPES,
+    BEST_METRICS,
     DATASETS,
+    DATASETS_NEEDING_DIR,
     DEVICES,
     FT_MODES,
     MODEL_CHOICES,
@@ -44,7 +48,7 @@ from elastic_train.config import (
 from elastic_train.distributed import usage_memo
 from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import UsageError, last_usage_error, report_usage_error
-from elastic_train.logs import configure_logging, detach_rank_log
+from elastic_train.logs import configure_logging, detach_rank_log, file_only, rank_log_path
 from elastic_train.outcome import ExitCode
 
 log = structlog.get_logger(__name__)
@@ -98,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     seed.add_argument("--seed", type=int, default=d.seed)
     seed.add_argument("--num-workers", type=int, default=d.num_workers, help="DataLoader workers per process")
     seed.add_argument("--amp", action="store_true", help="mixed precision (bf16, or fp16 + loss scaling)")
+    seed.add_argument(
+        "--log-every",
+        type=int,
+        default=d.log_every,
+        help="steps between per-step lines (loss, learning rate, throughput, world size) in <log-dir>/steps.jsonl, "
+        "and in TensorBoard when installed (0: off)",
+    )
+    seed.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=d.micro_batch_size,
+        help="samples per forward/backward pass: each process's share of a step is split into micro-batches "
+        "(gradient accumulation; DDP syncs on the last), bounding memory when the world shrinks (0: whole share)",
+    )
     ours_amp = p.add_argument_group("precision and reproducibility")
     ours_amp.add_argument(
         "--amp-dtype",
@@ -192,9 +210,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ck.add_argument("--keep-last", type=int, default=d.keep_last, help="committed checkpoints to keep (>= 2)")
     ck.add_argument(
+        "--keep-best",
+        type=int,
+        default=d.keep_best,
+        metavar="K",
+        help="also keep the K best epoch-end checkpoints by --best-metric, named in <checkpoint-dir>/best.json "
+        "(0: off)",
+    )
+    ck.add_argument(
+        "--best-metric",
+        choices=tuple(BEST_METRICS),
+        default=d.best_metric,
+        help="the epoch metric --keep-best ranks by (*_acc: higher is better, *_loss: lower)",
+    )
+    ck.add_argument(
         "--resume",
         default=d.resume,
         help="auto: continue from <checkpoint-dir>/latest if any; never: start fresh; or a folder",
+    )
+    ck.add_argument(
+        "--init-from",
+        type=Path,
+        default=d.init_from,
+        metavar="PATH",
+        help="start from these weights, model only (fresh optimizer): a .safetensors file with the model's names "
+        "(e.g. from `python -m elastic_train.ckpt export`) or another run's checkpoint folder/directory; "
+        "a run that resumes its own checkpoint ignores it",
     )
     ck.add_argument(
         "--async-checkpoint",
@@ -215,6 +256,12 @@ def check_inputs(cfg: TrainConfig) -> None:
     checks the same paths (shared storage), so every rank fails alike, within a second.
     A ``torchvision:NAME`` model is looked up in torchvision's registry here too: that run
     imports torch a little earlier, nothing more."""
+    # From the command line only: a library caller's task (train(cfg, task=...)) may read it.
+    if cfg.data_dir is not None and cfg.dataset not in DATASETS_NEEDING_DIR and cfg.task is None:
+        raise UsageError(
+            f"--data-dir {cfg.data_dir} is given, but --dataset {cfg.dataset} does not read files",
+            f"pass --dataset {' or '.join(DATASETS_NEEDING_DIR)} to train on that folder, or drop --data-dir",
+        )
     if cfg.data_dir is not None and not cfg.data_dir.is_dir():
         what = "does not exist" if not cfg.data_dir.exists() else "is not a folder"
         raise UsageError(
@@ -257,10 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The launcher's pid, read before anything slow: an agent SIGKILLed while this worker imports
     # torch has re-parented it by the time the parent watch starts (resilience/orphan.py).
     launcher_pid = os.getppid()
+    # Until the trainer installs its stop handlers, a Ctrl-C has nothing to save: exit 130 at
+    # once, without a KeyboardInterrupt traceback from the middle of an import.
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
     env: DistEnv | None = None
     code = 1
     launch = usage_memo.launch_of(launcher_pid)
     earlier: str | None = None
+    input_checked = False
     try:
         env = DistEnv.from_environ()
         configure_logging(env)
@@ -272,8 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "retrying cannot fix input]"
             )
         cfg = parse_config(argv)
-        cfg.check_world_size(env.world_size)
         check_inputs(cfg)
+        # What came before depends on nothing but the flags and the files: no retry can fix it.
+        # What follows may (a world size after a node left, storage that answers again).
+        input_checked = True
+        cfg.check_world_size(env.world_size)
         from elastic_train.run import train  # the torch-heavy part
 
         code = train(cfg, env, launcher_pid) or ExitCode.OK
@@ -282,17 +336,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = ExitCode.USAGE
         report_usage_error(exc, env)
         return ExitCode.USAGE
-    except Exception:
+    except Exception as exc:
         code = 1
-        log.exception("crashed")
-        raise
+        # One line on the console; the traceback goes to the rank log when there is one (and to
+        # torchrun's error file through @record on train, for its failure summary). Most crashes
+        # under a launcher are a peer's failure seen from here (a collective on a closed socket):
+        # a screen of tracebacks from every rank tells a person nothing the first line does not.
+        where = rank_log_path()
+        if where is None:
+            log.exception("crashed")
+            raise
+        log.exception("crashed", **file_only())
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        rank = env.rank if env is not None else 0
+        print(f"elastic-train: rank {rank} failed: {type(exc).__name__}: {first} (traceback: {where})", file=sys.stderr)
+        return code
     finally:
         detach_rank_log()
         if code == ExitCode.USAGE and env is not None and env.launched:
             message = last_usage_error()
-            if launch is not None and message is not None and earlier is None:
+            if launch is not None and message is not None and earlier is None and not input_checked:
                 usage_memo.remember(launch, message)
             _settle_before_usage_exit()
+
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, b"\nInterrupted while starting: nothing was trained or written by this process; exiting\n")
+    os._exit(ExitCode.INTERRUPTED)
 
 
 # Seconds a rank that found bad input waits before exiting under a launcher. Every rank finds

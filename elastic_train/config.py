@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from elastic_train.errors import UsageError
 
@@ -26,6 +26,15 @@ DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("auto", "bf16", "fp16")
 FT_MODES = ("restart", "quorum")  # docs/fault-tolerance.md, "Which mode when"
 DATASETS_NEEDING_DIR = ("tiny-imagenet", "imagefolder")
+# --best-metric: the epoch metrics (``metrics.EpochRecord``) a checkpoint can be kept as one of the
+# best for, and which way is better. The one table: the flag's choices, its validation and
+# retention's ranking (``checkpoint.storage.best_checkpoints``) all read it.
+BEST_METRICS: dict[str, Literal["max", "min"]] = {
+    "val_acc": "max",
+    "train_acc": "max",
+    "val_loss": "min",
+    "train_loss": "min",
+}
 # Settings that define the model's shape and the order of the data (the global batch sequence):
 # a checkpoint only continues a run that shares them.
 FINGERPRINT = (
@@ -37,6 +46,10 @@ FINGERPRINT = (
     "seed",
     "max_steps_per_epoch",
 )
+# The flags a plug-in task does not use: it builds its own model from its own data. Left out of
+# its fingerprint (a change cannot refuse a resume) and reported as ignored at start. The
+# optimizer joins them when the task brings its own.
+TASK_IGNORES = ("model", "dataset", "image_size")
 # Prefix of the dataset's identity in the fingerprint (``DataBundle.identity``).
 DATA_KEY = "data."
 
@@ -80,12 +93,21 @@ class TrainConfig:
     threads: int = 0  # 0: cores // local processes, unless OMP_NUM_THREADS is set
     weight_decay: float = 0.05
     warmup_steps: int = 0
+    # Samples per forward/backward pass: a process's share of a step is split into micro-batches
+    # of at most this many (gradients accumulated; DDP syncs on the last), so its memory is
+    # bounded whatever the world size. 0: the whole share at once. Not fingerprinted: a resume
+    # may split its steps differently (equal up to float summation order).
+    micro_batch_size: int = 0
+    log_every: int = 10  # steps between lines of <log-dir>/steps.jsonl (and TensorBoard); 0: off
     # Checkpoints (see docs/checkpoint-format.md).
     checkpoint_dir: Path = field(default_factory=lambda: Path("checkpoints"))
     checkpoint_every: int = 0  # steps; 0: at epoch ends only
     checkpoint_every_seconds: float = 0.0  # 0: off
     keep_last: int = 3
+    keep_best: int = 0  # also keep the K best epoch-end checkpoints by best_metric; 0: off
+    best_metric: str = "val_acc"  # a key of BEST_METRICS
     resume: str = "auto"  # auto | never | PATH
+    init_from: Path | None = None  # start weights (model only) for a fresh start
     async_checkpoint: bool = True
     # Fault tolerance: restart (torchrun's: a failure restarts every worker from the checkpoint)
     # or quorum (survivors keep training; elastic_train.quorum, launched by its own agent).
@@ -142,6 +164,10 @@ class TrainConfig:
             raise UsageError(f"--threads {self.threads} must be >= 0", "pass 0 for automatic")
         if self.weight_decay < 0:
             raise UsageError(f"--weight-decay {self.weight_decay} must be >= 0", "pass e.g. 0.05")
+        if self.log_every < 0:
+            raise UsageError(f"--log-every {self.log_every} must be >= 0", "pass 0 to log no per-step curve")
+        if self.micro_batch_size < 0:
+            raise UsageError(f"--micro-batch-size {self.micro_batch_size} must be >= 0", "pass 0 for whole shares")
         if self.warmup_steps < 0:
             raise UsageError(f"--warmup-steps {self.warmup_steps} must be >= 0", "pass 0 for no warm-up")
         if self.checkpoint_every < 0:
@@ -155,11 +181,9 @@ class TrainConfig:
                 f"--keep-last {self.keep_last} must be >= 2",
                 "keep at least 2 so a corrupt newest checkpoint still leaves one to fall back on",
             )
-        if self.data_dir is not None and self.dataset not in DATASETS_NEEDING_DIR and self.task is None:
-            raise UsageError(
-                f"--data-dir {self.data_dir} is given, but --dataset {self.dataset} does not read files",
-                f"pass --dataset {' or '.join(DATASETS_NEEDING_DIR)} to train on that folder, or drop --data-dir",
-            )
+        if self.keep_best < 0:
+            raise UsageError(f"--keep-best {self.keep_best} must be >= 0", "pass 0 for off, or e.g. 1")
+        self._check_choice("--best-metric", self.best_metric, tuple(BEST_METRICS))
         if self.dataset in DATASETS_NEEDING_DIR and self.data_dir is None:
             raise UsageError(
                 f"--dataset {self.dataset} needs --data-dir",

@@ -39,6 +39,17 @@ class EarlyStopper:
             return True
         return False
 
+    def stops_at(self, val_accuracy: float) -> str:
+        """Why a run whose last epoch reached ``val_accuracy`` is over under this stopper's target
+        and patience, or "" when it would train on (no update: the epoch was counted already)."""
+        if val_accuracy >= self.target_accuracy:
+            return f"its last val_acc {val_accuracy:.4f} >= --target-accuracy {self.target_accuracy:.4f}"
+        if self.patience and self.epochs_without_improvement >= self.patience:
+            return (
+                f"no val_acc improvement for {self.epochs_without_improvement} epoch(s) >= --patience {self.patience}"
+            )
+        return ""
+
     def state(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -106,6 +106,11 @@ def attach_rank_log(log_dir: Path, env: DistEnv, name: str | None = None) -> Pat
     return path
 
 
+def rank_log_path() -> Path | None:
+    """The rank log this process writes now, if one is attached."""
+    return Path(_sink.stream.name) if _sink.stream is not None else None
+
+
 def detach_rank_log() -> None:
     if _sink.stream is not None:
         _sink.stream.close()

@@ -31,6 +31,7 @@ from typing import Any
 
 from elastic_train.logs import parse_timestamp
 from elastic_train.outcome import ExitCode, RestartCause
+from elastic_train.step_log import read_steps
 
 EPOCH_KEYS = ("train_loss", "train_acc", "val_loss", "val_acc", "throughput", "world_size")
 CAUSE_COLORS = {
@@ -78,10 +79,14 @@ class Run:
     # replicas' own events (``_replica``: the group index), in time order.
     quorum: list[tuple[float, int]] = field(default_factory=list)
     replica_events: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # steps.jsonl: the per-step curve
 
     @property
     def origin(self) -> float:
-        return min([a.start for a in self.attempts] + [_time(e) for e in self.events[:1]] or [0.0])
+        """The job's first moment in the logs: restart mode's first attempt, or quorum mode's
+        first replica event (it writes no rank logs)."""
+        firsts = [a.start for a in self.attempts] + [_time(e) for e in self.events[:1] + self.replica_events[:1]]
+        return min(firsts or [0.0])
 
     def replicas_named(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.replica_events if e.get("event") == name]
@@ -92,8 +97,9 @@ class Run:
     @property
     def done(self) -> dict[str, Any] | None:
         """The last `done` event, if it has the goodput figures."""
-        finished = [e for e in self.named("done", rank=0) if {"goodput", "lost_s", "recomputed_steps"} <= e.keys()]
-        return finished[-1] if finished else None
+        done = self.named("done", rank=0) + self.replicas_named("done")  # quorum mode: every replica's
+        finished = [e for e in done if {"goodput", "lost_s", "recomputed_steps"} <= e.keys()]
+        return max(finished, key=_time) if finished else None
 
     def restart_causes(self) -> Counter[str]:
         return Counter(str(e.get("cause", RestartCause.FAILURE.value)) for e in self.named("recovery", rank=0))
@@ -126,7 +132,38 @@ def load_run(log_dir: Path) -> Run:
                 run.replica_events.append({**event, "_t": at, "_replica": int(group) if group.isdigit() else -1})
     run.replica_events.sort(key=_time)
     run.quorum = _quorum_sizes(run.replica_events)
+    run.steps = [s for s in read_steps(log_dir) if isinstance(s.get("time"), (int, float))]
     return run
+
+
+@dataclass(frozen=True)
+class Span:
+    """A stretch of the job's wall time and what it was spent on."""
+
+    start: float
+    end: float
+    kind: str  # "lost" (failure to the first step after it) or "redone" (recomputing lost steps)
+
+
+def recovery_spans(run: Run) -> list[Span]:
+    """For each restart: the time lost (from the last step logged before it to the first step
+    after it) and the time spent redoing steps (until the step reached before it is reached
+    again), from the per-step curve and the ``recovery`` events."""
+    spans = []
+    times = [(float(s["time"]), int(s["step"])) for s in run.steps]
+    for e in run.named("recovery", rank=0):
+        at = _time(e)
+        before = [t for t, _ in times if t < at]
+        after = [(t, step) for t, step in times if t >= at]
+        if not before or not after:
+            continue
+        spans.append(Span(before[-1], after[0][0], "lost"))
+        reached = e.get("reached_step")
+        if isinstance(reached, int):
+            back = next((t for t, step in after if step >= reached), None)
+            if back is not None and back > after[0][0]:
+                spans.append(Span(after[0][0], back, "redone"))
+    return spans
 
 
 def _quorum_sizes(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
@@ -198,7 +235,12 @@ def draw(run: Run, output: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
     (loss_ax, acc_ax), (tput_ax, ws_ax) = axes
     epochs = [r["epoch"] for r in run.epochs]
-    for ax, key, label in ((loss_ax, "loss", "Loss"), (acc_ax, "acc", "Accuracy")):
+    pairs = [(acc_ax, "acc", "Accuracy")]
+    if run.steps:
+        _draw_loss_over_time(run, loss_ax)
+    else:
+        pairs.insert(0, (loss_ax, "loss", "Loss"))
+    for ax, key, label in pairs:
         ax.plot(epochs, [r[f"train_{key}"] for r in run.epochs], "o-", label="train")
         ax.plot(epochs, [r[f"val_{key}"] for r in run.epochs], "s-", label="validation")
         ax.set(title=f"{label} per epoch", xlabel="epoch", ylabel=label.lower())
@@ -216,6 +258,40 @@ def draw(run: Run, output: Path) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=100)
     plt.close(fig)
+
+
+def _draw_loss_over_time(run: Run, ax: Any) -> None:
+    """The training loss of every logged step against wall-clock time since the job started,
+    the time shaded by what it was spent on, failures, restarts and commits where they happened."""
+    t0 = run.origin
+    xs = [float(s["time"]) - t0 for s in run.steps]
+    ax.plot(xs, [s["loss"] for s in run.steps], ".", markersize=3, color="tab:blue", label="loss (rank 0's share)")
+    for a in run.attempts:
+        ax.axvspan(a.start - t0, a.end - t0, color="tab:green", alpha=0.08, lw=0)
+    colors = {"lost": "tab:red", "redone": "tab:orange"}
+    labels = {"lost": "lost (failure to restart)", "redone": "redone (recomputed steps)"}
+    seen: set[str] = set()
+    for span in recovery_spans(run):
+        label = None if span.kind in seen else labels[span.kind]
+        seen.add(span.kind)
+        ax.axvspan(span.start - t0, span.end - t0, color=colors[span.kind], alpha=0.25, lw=0, label=label)
+    for e in run.named("fault_injected") + run.named("crashed"):
+        ax.axvline(_time(e) - t0, color="black", linestyle=":", lw=1)
+    for e in run.named("recovery", rank=0):
+        cause = str(e.get("cause", RestartCause.FAILURE.value))
+        ax.axvline(_time(e) - t0, color=CAUSE_COLORS.get(cause, "tab:red"), linestyle="--", lw=1)
+    commits = [_time(e) - t0 for e in run.named("checkpoint_committed", rank=0)]
+    if commits:
+        low = min(float(s["loss"]) for s in run.steps)
+        ax.plot(commits, [low] * len(commits), "|", color="tab:gray", markersize=10, label="checkpoint commit")
+    ax.set(
+        title="Training loss over the job's wall time (green: attempts)",
+        xlabel="seconds since the job started",
+        ylabel="loss",
+        xlim=(0, max([*xs, *(a.end - t0 for a in run.attempts), 1.0]) * 1.02),
+    )
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 def _draw_timeline(run: Run, ax: Any) -> None:

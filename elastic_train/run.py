@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
 import structlog
 import torch
@@ -15,8 +16,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_train import __version__
 from elastic_train.boundary import DirectoryLost, FinalCheckpointFailed, SavePolicy, StepBoundary
+from elastic_train.checkpoint.init_from import apply_init_weights, read_init_weights
 from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Loaded, should_manage_checkpoints
-from elastic_train.config import TrainConfig
+from elastic_train.config import TASK_IGNORES, TrainConfig
 from elastic_train.data import open_task_data
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.identity import resolve_job
@@ -77,7 +79,12 @@ def _tune_cuda(placement: Placement, deterministic: bool) -> None:
 
 def checkpoint_config(cfg: TrainConfig) -> CheckpointConfig:
     return CheckpointConfig(
-        root=cfg.checkpoint_dir, keep_last=cfg.keep_last, resume=cfg.resume, hang_timeout=cfg.hang_timeout
+        root=cfg.checkpoint_dir,
+        keep_last=cfg.keep_last,
+        resume=cfg.resume,
+        hang_timeout=cfg.hang_timeout,
+        keep_best=cfg.keep_best,
+        best_metric=cfg.best_metric,
     )
 
 
@@ -91,9 +98,39 @@ def run_fingerprint(cfg: TrainConfig, task: Task, identity: dict[str, object], b
     (and its name, unless it is the built-in image task, whose fingerprint predates tasks): the
     same task resumes whether it came from --task or from ``train(cfg, task=...)``."""
     own = {f"task.{key}": value for key, value in task.fingerprint.items()}
+    settings = cfg.fingerprint(identity)
     if not builtin:
         own["task.name"] = task.name
-    return {**cfg.fingerprint(identity), **own}
+        for key in ignored_by(task):  # flags the task does not use cannot refuse its resume
+            settings.pop(key, None)
+    return {**settings, **own}
+
+
+def ignored_by(task: Task) -> tuple[str, ...]:
+    """The flags a plug-in task does not use (``config.TASK_IGNORES``, and ``optimizer`` when it
+    brings its own)."""
+    return (*TASK_IGNORES, "optimizer") if task.optimizer is not None else TASK_IGNORES
+
+
+def _warn_ignored_flags(console: Console, cfg: TrainConfig, task: Task) -> None:
+    """A plug-in task's run names the flags it was given but does not use (set to other than
+    their defaults), instead of accepting them silently."""
+    defaults = TrainConfig()
+    given = [k for k in ignored_by(task) if getattr(cfg, k) != getattr(defaults, k)]
+    if given:
+        flags = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in given)
+        console.line(f"Ignored with task {task.name}: {flags} (the task builds its own model and data)")
+        log.warning("flags_ignored_by_task", task=task.name, flags=given)
+
+
+def _announce_finished(console: Console, loaded: Loaded, because: str) -> None:
+    m = loaded.manifest
+    console.line(f"Training already finished: {loaded.folder} (epoch {m.epoch}, step {m.step}): {because}.")
+    console.line(
+        "Nothing to do. To train on, raise what ended it: --epochs above the epochs done, --target-accuracy "
+        "above the accuracy reached, or --patience; to start over, use a new --checkpoint-dir."
+    )
+    console.line("Training completed successfully.")
 
 
 def _announce_resume(console: Console, loaded: Loaded, cfg: TrainConfig) -> None:
@@ -128,16 +165,18 @@ def train(
     returns ``USAGE`` on every rank with one message and no traceback: it is agreed collectively
     where it is found (data, checkpoints), so no rank raises past ``@record`` and gets its peers
     SIGTERMed."""
-    if env is None:  # called as a library function, not from the command line
+    library = env is None  # called as a library function, not from the command line
+    if env is None:
         env = DistEnv.from_environ()
         configure_logging(env)
     clock = StartupClock(launcher_pid if env.launched else None)
     clock.mark("interpreter_and_imports")
     if env.launched:
         ParentWatch(env.rank, launcher_pid).start()  # a worker whose launcher died must not train on
-    # From here on SIGTERM/SIGUSR1/SIGUSR2 mean "checkpoint at the next agreed step and exit 76/75",
-    # or exit 77 after --stop-grace seconds. Left installed until the process exits: a signal
-    # during the teardown must not turn a clean exit code into -15.
+    # From here on SIGTERM/SIGUSR1/SIGUSR2/SIGINT mean "checkpoint at the next agreed step and exit
+    # 76/75/130", or exit 77 after --stop-grace seconds. From the command line they stay installed
+    # until the process exits (a signal during the teardown must not turn a clean exit code into
+    # -15); a library call gives the caller its handlers back.
     preemption = PreemptionFlag(StopGrace(cfg.stop_grace, env.rank))
     preemption.install()
     try:
@@ -159,6 +198,9 @@ def train(
         report_usage_error(exc, env)
         log.error("exit", code=ExitCode.USAGE, reason="bad input", error=str(exc))
         return ExitCode.USAGE
+    finally:
+        if library:  # the caller's process goes on: its own Ctrl-C and signals back
+            preemption.uninstall()
 
 
 def _train_in_group(
@@ -178,6 +220,8 @@ def _train_in_group(
     data = open_task_data(task, cfg, env)
     clock.mark("data")
     fingerprint = run_fingerprint(cfg, task, data.identify(), builtin)
+    if not builtin:
+        _warn_ignored_flags(console, cfg, task)
     checkpointer = Checkpointer(checkpoint_config(cfg), env, fingerprint, control.group, CheckpointFaults(faults))
     checkpointer.start()
     try:
@@ -196,10 +240,6 @@ def _train_in_group(
         tracker = _progress_tracker(cfg, env, loaded, clock.launch_started)
         if should_manage_checkpoints(env):
             clear_markers(cfg.checkpoint_dir)  # read by _progress_tracker: they described the previous attempt
-        if loaded is not None and loaded.manifest.finished:
-            console.line(f"Training already finished: {loaded.folder} (epoch {loaded.manifest.epoch}); nothing to do.")
-            console.line("Training completed successfully.")
-            return ExitCode.OK
         watchdog = StepWatchdog(cfg.hang_timeout, env.rank, marker_dir=cfg.checkpoint_dir)
         checkpointer.heartbeat = watchdog.alive
         if preemption.grace is not None:
@@ -212,10 +252,28 @@ def _train_in_group(
             async_save=cfg.async_checkpoint,
             is_main=env.is_main,
         )
-        trainer = Trainer(cfg, env, placement, task, data, faults, boundary, watchdog, tracker)
+        init = None
+        if loaded is None and cfg.init_from is not None:  # a resume takes its weights from the checkpoint
+            weights, source = read_init_weights(cfg.init_from), cfg.init_from
+            init = partial(apply_init_weights, weights=weights, source=source)
+            console.line(f"Initial weights from {source} ({len(weights)} tensors; fresh optimizer)")
+        trainer = Trainer(cfg, env, placement, task, data, faults, boundary, watchdog, tracker, init=init)
+        del init
         if loaded is not None:
             trainer.restore(loaded)
-            _announce_resume(console, loaded, cfg)
+            if loaded.manifest.finished:
+                done_because = trainer.finished_because()
+                if done_because:
+                    _announce_finished(console, loaded, done_because)
+                    trainer.close()
+                    return ExitCode.OK
+                console.line(
+                    f"Extending the finished run {loaded.folder} (epoch {loaded.manifest.epoch}) to --epochs "
+                    f"{cfg.epochs}: learning rate {trainer.optimizer.param_groups[0]['lr']:.3g} at step "
+                    f"{loaded.manifest.step} on the schedule over the new total (docs/checkpoint-format.md)"
+                )
+            else:
+                _announce_resume(console, loaded, cfg)
             del loaded
         watchdog.start()
         if preemption.grace is not None:
@@ -270,7 +328,11 @@ def _progress_tracker(cfg: TrainConfig, env: DistEnv, loaded: Loaded | None, lau
     else:
         accounting = Accounting(job_start=float(previous["job_start"]) if previous else time.time())
     tracker = ProgressTracker(cfg.checkpoint_dir, accounting, enabled=should_manage_checkpoints(env))
-    if loaded is not None and not loaded.manifest.finished:
+    if loaded is not None and loaded.manifest.finished:
+        # A finished run extended (more --epochs): a new launch, not a recovery; the time since
+        # it finished lay between launches.
+        accounting.away_s += max(0.0, launch_started - loaded.manifest.created)
+    elif loaded is not None:
         since = float(previous["time"]) if previous else 0.0
         # Before clear_markers (the caller's next step): the markers say how that attempt ended.
         marker = previous_exit(cfg.checkpoint_dir, since) if should_manage_checkpoints(env) else None

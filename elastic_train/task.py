@@ -16,7 +16,8 @@ The contract, in the order the runtime uses it:
    pure function of the key: exact at any world size and after any restart). ``identity()``
    says what the data is (rank 0 computes it; a checkpoint is only resumed on the same).
 3. ``model(data)`` runs on every rank right after seeding with ``--seed``: same initial
-   weights everywhere. Every parameter must take part in the loss (DDP).
+   weights everywhere. Every parameter must take part in the loss (DDP), unless the task sets
+   ``find_unused_parameters`` (DDP's slower search for the ones a step did not use).
 4. Per step: ``to_device(batch, device) -> (inputs, targets)``, ``outputs = model(inputs)``,
    ``loss(outputs, targets)`` (the batch MEAN; the runtime weights each rank's share so the
    update is the global batch's mean at any world size), ``correct(outputs, targets)`` (how
@@ -75,6 +76,15 @@ class TaskData:
     name: str = ""  # the dataset's name in messages (default: the task's)
     train_by_epoch: bool = False  # the training set is indexed by (epoch, index)
 
+    def __post_init__(self) -> None:
+        # Checked when the task builds it, on every rank alike: exit 2 with the fix, not a
+        # TypeError at the fingerprint (exit 1, retried by torchrun on every attempt).
+        if self.identity is not None and not callable(self.identity):
+            raise UsageError(
+                f"TaskData(identity=...) got a {type(self.identity).__name__}, not a function",
+                "pass a function returning the JSON values, e.g. identity=lambda: {'sha256': digest}",
+            )
+
     def __len__(self) -> int:
         return len(self.train)  # type: ignore[arg-type]
 
@@ -118,7 +128,7 @@ class Task:
     correct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = argmax_correct
     metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
-    scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
+    scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None  # needs state_dict/load_state_dict
     extra_state: Callable[[nn.Module], ExtraState] | None = None
     to_device: Callable[[Sequence[Any], torch.device], tuple[torch.Tensor, torch.Tensor]] = move_to
     # Settings of the task's own that a resumed run must share (e.g. a vocabulary size).
@@ -126,10 +136,38 @@ class Task:
     # What one sample is, for the throughput lines: "samples/s", or the seed's "img/s" and
     # "images/second" for "images".
     samples_are: str = "samples"
+    # DDP's setting for a model whose loss does not use every parameter at every step (a
+    # branch taken by some batches only): slower, so off unless the task says so.
+    find_unused_parameters: bool = False
 
     @property
     def rate_unit(self) -> str:
         return "img" if self.samples_are == "images" else self.samples_are
+
+    def make_scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        """This task's scheduler, refused at start (not at the first save, on every attempt)
+        when a checkpoint could not save and restore it."""
+        assert self.scheduler is not None
+        scheduler = self.scheduler(optimizer, total_steps)
+        missing = [n for n in ("step", "state_dict", "load_state_dict") if not callable(getattr(scheduler, n, None))]
+        if missing:
+            raise UsageError(
+                f"task {self.name}: its scheduler ({type(scheduler).__name__}) has no {', '.join(missing)}",
+                "return a torch.optim.lr_scheduler scheduler, or an object with step, state_dict and load_state_dict",
+            )
+        return scheduler
+
+    def usage_error(self, exc: RuntimeError) -> UsageError | None:
+        """DDP's error about parameters the loss did not use, as the fix a task can apply; None
+        for any other error."""
+        if "find_unused_parameters" not in str(exc) or self.find_unused_parameters:
+            return None
+        return UsageError(
+            f"task {self.name}: some model parameters took no part in the loss of a step (DDP cannot average "
+            "their gradients)",
+            "use every parameter in the loss, or set Task(find_unused_parameters=True) for a model whose branches "
+            "are taken by some batches only",
+        )
 
 
 TaskFactory = Callable[[Any], Task]

@@ -15,10 +15,11 @@ everything it does (examples/char_lm.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -46,6 +47,7 @@ from elastic_train.progress import ProgressBar
 from elastic_train.resilience.goodput import ProgressTracker
 from elastic_train.resilience.preemption import Preempted
 from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.step_log import StepLog
 from elastic_train.task import ExtraState, Task, TaskData
 
 log = structlog.get_logger(__name__)
@@ -81,6 +83,17 @@ def build_schedule(
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def resume_on_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer) -> None:
+    """After a restore: the learning rate of the built-in schedule at the restored step.
+
+    The schedule is a function of (step, --epochs). A resume with another --epochs (an extended
+    run) goes on on the new curve from this step, while the restored optimizer holds the old
+    curve's rate; with the same --epochs this is the very value the old run set (LambdaLR's own
+    step computes it the same way), so an exact resume stays bitwise."""
+    for group, fn, base in zip(optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True):
+        group["lr"] = base * fn(scheduler.last_epoch)
 
 
 @dataclass
@@ -163,7 +176,9 @@ class Trainer:
         boundary: StepBoundary | None = None,
         watchdog: StepWatchdog | None = None,
         tracker: ProgressTracker | None = None,
+        init: Callable[[nn.Module], None] | None = None,
     ) -> None:
+        """``init``: applied to the freshly built model, before DDP and extra state (``--init-from``)."""
         self.cfg, self.env, self.placement, self.task, self.data = cfg, env, placement, task, data
         self.boundary = boundary
         self.checkpointer = boundary.checkpointer if boundary is not None else None
@@ -172,6 +187,7 @@ class Trainer:
         self.device = placement.device
         self.console = Console(env)
         self.metrics_file = MetricsFile(cfg.log_dir, env)
+        self.step_log = StepLog(cfg.log_dir, cfg.log_every, env.is_main, cfg.batch_size)
         self.faults = faults if faults is not None else FaultInjector([], env.rank, cfg.checkpoint_dir / ".faults")
         self.progress = ProgressBar.for_terminal(env.is_main)
         self.train_loader, self.sampler, self.val_loader = make_loaders(data, cfg, env, placement.is_cuda)
@@ -180,9 +196,14 @@ class Trainer:
         # rank 0's. Then the seed's `seed + rank` for everything random during training.
         seed_everything(cfg.seed)
         module = task.model(data).to(self.device)
+        if init is not None:
+            init(module)  # every rank the same weights, before DDP's broadcast and the extra state
         self.module = module
         self.model = DistributedDataParallel(
-            module, device_ids=[self.device.index] if placement.is_cuda else None, gradient_as_bucket_view=True
+            module,
+            device_ids=[self.device.index] if placement.is_cuda else None,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=task.find_unused_parameters,
         )
         # After DDP's broadcast of rank 0's weights: extra state derived from them (an EMA copy)
         # starts equal on every rank.
@@ -193,7 +214,7 @@ class Trainer:
             self.checkpointer.guard(module, self.optimizer)
         self.total_steps = cfg.epochs * self.sampler.batches_per_epoch
         self.scheduler = (
-            task.scheduler(self.optimizer, self.total_steps)
+            task.make_scheduler(self.optimizer, self.total_steps)
             if task.scheduler is not None
             else build_schedule(cfg, self.optimizer, self.total_steps)
         )
@@ -213,12 +234,15 @@ class Trainer:
         weighted by the share's size before DDP's average: the update is the global batch's mean
         at any world size. The returned loss is the unweighted mean, for the metric sums.
         """
-        with self.precision.autocast():
-            outputs = self.model(x)
-            loss = self.task.loss(outputs, y)
-        self.optimizer.zero_grad(set_to_none=True)
         scaler = self.precision.scaler
-        scaler.scale(loss * self.sampler.loss_weight(y.shape[0])).backward()  # type: ignore[no-untyped-call]
+        weight = self.sampler.loss_weight(y.shape[0])
+        micro = self.cfg.micro_batch_size
+        if micro and y.shape[0] > micro:
+            outputs, loss = self._accumulate(x, y, micro, weight)
+        else:
+            outputs, loss = self._forward(x, y)
+            self.optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss * weight).backward()  # type: ignore[no-untyped-call]
         if self.checkpointer is not None:
             self.checkpointer.wait_staged()  # an async save may still be copying the weights
         scaler.step(self.optimizer)
@@ -235,7 +259,9 @@ class Trainer:
         self.sampler.set_epoch(epoch, self.state.batch_in_epoch)
         sums, prior = self._resumed_sums or MetricSums(self.device), self._resumed_elapsed
         self._resumed_sums, self._resumed_elapsed = None, 0.0
-        self.progress.start(f"Epoch {epoch + 1}/{self.cfg.epochs}", self.sampler.batches_per_epoch)
+        self.progress.start(
+            f"Epoch {epoch + 1}/{self.cfg.epochs}", self.sampler.batches_per_epoch, done=self.state.batch_in_epoch
+        )
         start = time.perf_counter()
         for *batch, indices in self.train_loader:
             self.faults.at_step(self.state.step + 1)
@@ -249,6 +275,9 @@ class Trainer:
                 self._stepped = True  # recovery timing: the first step of this process and group size
                 log.info("first_step", step=self.state.step, world_size=self.env.world_size)
             self.progress.update(self.state.batch_in_epoch)
+            if self.step_log.due(self.state.step):  # only then: float(loss) waits for the device
+                lr = float(self.optimizer.param_groups[0]["lr"])
+                self.step_log.step(self.state.step, epoch + 1, float(loss), lr, self.env.world_size)
             if self.watchdog is not None:
                 self.watchdog.beat(self.state.step)
             if self.tracker is not None:
@@ -259,6 +288,38 @@ class Trainer:
         elapsed = prior + time.perf_counter() - start
         self.progress.close()
         return sums.reduce(), all_reduce_max(elapsed, self.device)
+
+    def _forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.precision.autocast():
+            try:
+                outputs = self.model(x)
+            except RuntimeError as exc:  # DDP finds an unused parameter at the next forward
+                usage = self.task.usage_error(exc)
+                if usage is not None:
+                    raise usage from None
+                raise
+            return outputs, self.task.loss(outputs, y)
+
+    def _accumulate(
+        self, x: torch.Tensor, y: torch.Tensor, micro: int, weight: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The share in micro-batches of at most ``micro`` samples: each one's mean loss weighted
+        by its size, so the accumulated gradient is the whole share's (up to float summation
+        order); DDP averages across ranks only on the last (``no_sync`` before). Returns the
+        share's outputs and mean loss, as one pass would."""
+        self.optimizer.zero_grad(set_to_none=True)
+        n = y.shape[0]
+        parts = list(zip(torch.split(x, micro), torch.split(y, micro), strict=True))
+        outputs, loss_sum = [], torch.zeros((), device=self.device)
+        for i, (xs, ys) in enumerate(parts):
+            sync = contextlib.nullcontext() if i == len(parts) - 1 else self.model.no_sync()
+            with sync:
+                out, loss = self._forward(xs, ys)
+                scale = weight * ys.shape[0] / n
+                self.precision.scaler.scale(loss * scale).backward()  # type: ignore[no-untyped-call]
+            outputs.append(out.detach())
+            loss_sum += loss.detach().float() * ys.shape[0]
+        return torch.cat(outputs), loss_sum / n
 
     def _after_step(self, sums: MetricSums, elapsed: float) -> None:
         """The step boundary (``boundary.StepBoundary``): stop, commit and save decisions."""
@@ -295,6 +356,15 @@ class Trainer:
             config=self.cfg.to_json(),
         )
 
+    def finished_because(self) -> str:
+        """Why training from the restored state is already over under this run's flags, or ""
+        when it trains on (a finished run given more --epochs, a higher target or patience)."""
+        if self.state.epoch >= self.cfg.epochs:
+            return f"all {self.state.epoch} epoch(s) of --epochs {self.cfg.epochs} are done"
+        if self.state.history:
+            return self.stopper.stops_at(self.state.history[-1].val_acc)
+        return ""
+
     def restore(self, loaded: Loaded) -> None:
         """Continue from ``loaded``: same world size exactly; another size from the same global batch."""
         done = restore(
@@ -308,6 +378,8 @@ class Trainer:
             scaler=self.precision.scaler,
         )
         restore_extra(self.extra, done.extra, self.task, loaded.folder)
+        if self.task.scheduler is None:
+            resume_on_schedule(self.scheduler, self.optimizer)
         app = TrainerCheckpoint.from_json(done.payload.app)
         self.stopper.resume(app.early_stop)
         pos = done.position
@@ -435,7 +507,8 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Release loader workers. The process group is the caller's."""
+        """Release loader workers and the curve's writer. The process group is the caller's."""
+        self.step_log.close()
         for loader in (self.train_loader, self.val_loader):
             iterator = getattr(loader, "_iterator", None)
             if iterator is not None and hasattr(iterator, "_shutdown_workers"):

@@ -161,6 +161,7 @@ class CheckpointLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost_logged = False
+        self._missing_beats = 0  # beats that found no lock at all since ours was lost
         self._lost = threading.Event()  # set when this hold was found taken over or removed
 
     # ------------------------------------------------------------------ reading
@@ -284,7 +285,7 @@ class CheckpointLock:
         return True
 
     def _hold(self, fd: int) -> None:
-        self._fd, self._inode, self._lost_logged = fd, os.fstat(fd).st_ino, False
+        self._fd, self._inode, self._lost_logged, self._missing_beats = fd, os.fstat(fd).st_ino, False, 0
         self._lost.clear()
 
     def _take_over(self, judged: Holder) -> bool:
@@ -408,8 +409,7 @@ class CheckpointLock:
                 if self.lost():
                     self._lost.set()
                     if not self._lost_logged:
-                        self._lost_logged = True
-                        self._log_lost()
+                        self._lost_logged = self._log_lost()
                     continue
                 fd = self._fd
                 if fd is None:  # released while this beat was blocked in ``lost``
@@ -418,10 +418,15 @@ class CheckpointLock:
             except OSError as exc:
                 log.error("checkpoint_lock_heartbeat_failed", error=repr(exc))
 
-    def _log_lost(self) -> None:
+    def _log_lost(self) -> bool:
         """Who has the lock now. Another replica of this job (quorum mode: the one saving now)
-        is a hand-over, part of normal work; only another job, or no lock at all, is an error."""
+        is a hand-over, part of normal work; only another job, or no lock at all, is an error.
+        A takeover removes the old lock before it links its own: no lock is judged again at the
+        next beats (False: not logged yet), and logged as lost only if it stays away."""
         holder = self.inspect()
+        if holder is None and self._missing_beats < 2:
+            self._missing_beats += 1
+            return False
         record = holder.record if holder is not None else {}
         if record.get("owner") == self.owner:
             log.info(
@@ -431,7 +436,7 @@ class CheckpointLock:
                 to_pid=record.get("pid"),
                 detail="another replica of this job saves now",
             )
-            return
+            return True
         log.error(
             "checkpoint_lock_lost",
             path=str(self.path),
@@ -439,6 +444,7 @@ class CheckpointLock:
             detail="another run took the directory over (or the lock was removed); this run no longer commits "
             "checkpoints",
         )
+        return True
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still ours.

@@ -75,11 +75,12 @@ from elastic_train.checkpoint.storage import (
     committed,
     move_aside,
     point_latest,
+    record_best,
     repair_latest,
     write_atomic,
 )
 from elastic_train.checkpoint.tensor_io import read_shards, write_shard
-from elastic_train.config import DATA_KEY
+from elastic_train.config import BEST_METRICS, DATA_KEY, TASK_IGNORES
 from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import UsageError
 
@@ -98,10 +99,20 @@ class CheckpointConfig:
     keep_last: int = 3
     resume: str = "auto"  # auto | never | PATH
     hang_timeout: float = 60.0  # the run's --hang-timeout: the directory lock's TTL is derived from it
+    # Retention also spares the keep_best best epoch-end checkpoints by best_metric, named in
+    # <root>/best.json (storage.record_best); 0: off, only the newest keep_last are kept.
+    keep_best: int = 0
+    best_metric: str = "val_acc"
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
             raise UsageError(f"keep_last={self.keep_last} would delete every checkpoint", "keep at least 2")
+        if self.keep_best < 0:
+            raise UsageError(f"keep_best={self.keep_best} must be >= 0", "pass 0 for off, or e.g. 1")
+        if self.best_metric not in BEST_METRICS:
+            raise UsageError(
+                f"best_metric={self.best_metric!r} is not one of {', '.join(BEST_METRICS)}", "pick one of those"
+            )
         if not self.resume:
             raise UsageError("resume is empty", "pass auto, never or a checkpoint folder")
         if self.hang_timeout < 0:
@@ -519,6 +530,15 @@ class Checkpointer:
         with self.lock.still_held() as held:
             if not held or (folder / MANIFEST).exists():
                 return
+            pointed = latest_target(self.cfg.root)  # a move of latest that failed after its rename
+            if pointed is not None and pointed.resolve() == folder.resolve():
+                log.error(
+                    "checkpoint_cleanup_skipped",
+                    step=step,
+                    path=str(folder),
+                    detail="latest points at the failed save: kept for the next start to repair",
+                )
+                return
             try:
                 shutil.rmtree(folder)
             except FileNotFoundError:
@@ -560,7 +580,10 @@ class Checkpointer:
             for stale in folder.glob("shard-*"):
                 if stale.name not in manifest.files:
                     stale.unlink(missing_ok=True)
-            self.purger.purge(self.cfg.root, self.cfg.keep_last, protect={folder})
+            # The best folders are named in best.json before anything is deleted; if that fails,
+            # nothing is purged this time (a best.json must never name a deleted folder).
+            best = record_best(self.cfg.root, self.cfg.keep_best, self.cfg.best_metric)
+            self.purger.purge(self.cfg.root, self.cfg.keep_last, protect={folder, *best})
         except Exception as exc:  # any failure, storage or not: never one rank's exception
             log.error(
                 "checkpoint_cleanup_failed",
@@ -810,7 +833,7 @@ def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, An
     with a warning: refusing it would strand every run upgraded mid-training.
     """
     recorded = manifest.fingerprint
-    if not any(key.startswith(DATA_KEY) for key in recorded):
+    if any(key.startswith(DATA_KEY) for key in fingerprint) and not any(key.startswith(DATA_KEY) for key in recorded):
         log.warning(
             "checkpoint_without_dataset_identity",
             path=str(folder),
@@ -820,6 +843,8 @@ def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, An
     # Keys of either side: a checkpoint of a plug-in task records its task.name, which a run of
     # the built-in task lacks (checkpoints older than a key lack it on both sides, by design).
     keys = [*fingerprint, *(k for k in recorded if k not in fingerprint and not k.startswith(DATA_KEY))]
+    if "task.name" in fingerprint:  # flags a plug-in task ignores: older checkpoints recorded them
+        keys = [k for k in keys if k in fingerprint or k not in (*TASK_IGNORES, "optimizer")]
     diffs = [
         f"{key}: checkpoint {recorded.get(key)!r}, this run {fingerprint.get(key)!r}"
         for key in keys

@@ -1,4 +1,5 @@
-"""Durable file operations for checkpoints: atomic writes, the ``latest`` link, retention.
+"""Durable file operations for checkpoints: atomic writes, the ``latest`` link, retention and
+the ``best.json`` record of the checkpoints kept for their metric.
 
 Every durable write goes to a temporary name in the same folder, is fsynced, renamed into
 place, and the folder is fsynced, so a crash at any instant leaves either the old file or the
@@ -10,12 +11,15 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import math
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -26,12 +30,16 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_
 from elastic_train.checkpoint.format import (
     LATEST,
     MANIFEST,
+    CheckpointInvalid,
+    CheckpointUnreadable,
     FileEntry,
+    Manifest,
     checkpoint_key,
     latest_target,
     read_manifest,
     step_folders,
 )
+from elastic_train.config import BEST_METRICS
 
 log = structlog.get_logger(__name__)
 
@@ -154,8 +162,9 @@ def repair_latest(root: Path, prefer: Path | None) -> None:
 def retention_victims(root: Path, keep_last: int, protect: set[Path]) -> list[Path]:
     """Folders to delete: committed ones beyond the newest ``keep_last`` (each version of a step
     counts as one), and incomplete ones older than the newest committed checkpoint (an
-    incomplete folder newer than that may be a save in progress). ``protect`` (e.g. the
-    ``latest`` target) is never returned. Folders set aside are not step folders: never touched."""
+    incomplete folder newer than that may be a save in progress). Neither ``protect`` (the
+    folder just committed, the best ones of ``record_best``) nor the folder ``latest`` points to
+    is ever returned. Folders set aside are not step folders: never touched."""
     folders = step_folders(root)
     done = [f for f in folders if committed(f)]
     if not done:
@@ -163,8 +172,99 @@ def retention_victims(root: Path, keep_last: int, protect: set[Path]) -> list[Pa
     newest = checkpoint_key(done[0]) or (0, 0)
     victims = done[keep_last:]
     victims += [f for f in folders if not committed(f) and (checkpoint_key(f) or (0, 0)) < newest]
-    resolved = {p.resolve() for p in protect}
+    latest = latest_target(root)
+    resolved = {p.resolve() for p in (*protect, *([latest] if latest is not None else []))}
     return [v for v in victims if v.resolve() not in resolved]
+
+
+BEST = "best.json"  # in the checkpoint root: the folders kept for their metric (--keep-best)
+BEST_FORMAT = "elastic-train-best"
+BEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Best:
+    """One checkpoint kept for its metric, as ``best.json`` lists it."""
+
+    folder: str  # its name in the checkpoint root
+    step: int
+    epoch: int  # epochs completed, as in the manifest (= the 1-based epoch its metric is from)
+    value: float
+
+
+def epoch_metric(manifest: Manifest, metric: str) -> float | None:
+    """``metric`` of the state a checkpoint holds, from the built-in trainer's epoch history
+    (``payload.app["history"]``); None when it has none. Only an epoch-end save (after at least
+    one epoch, ``batch_in_epoch == 0``) holds the state its epoch was evaluated in: a mid-epoch
+    save's model moved on since. A custom loop's checkpoint, or a NaN, is simply no candidate."""
+    if manifest.epoch < 1 or manifest.batch_in_epoch != 0:
+        return None
+    history = manifest.payload.app.get("history")
+    records = [r for r in history if isinstance(r, dict)] if isinstance(history, list) else []
+    value = next((r.get(metric) for r in records if r.get("epoch") == manifest.epoch), None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def best_checkpoints(root: Path, keep: int, metric: str) -> list[Best]:
+    """The ``keep`` best committed checkpoints by ``metric`` (its direction: ``BEST_METRICS``),
+    best first; of equal values the newer wins. A folder without a manifest (incomplete, being
+    deleted) or with a damaged one is no candidate. Manifests are read once, without retries (rank
+    0 runs this while its peers wait); one that cannot be read now raises ``CheckpointUnreadable``:
+    a pass that cannot see every candidate might drop a best one, so it must delete nothing."""
+    sign = 1.0 if BEST_METRICS[metric] == "max" else -1.0
+    ranked: list[tuple[float, tuple[int, int], Best]] = []
+    for folder in step_folders(root):
+        try:
+            manifest = read_manifest(folder, retry=False)
+        except CheckpointUnreadable:
+            raise
+        except CheckpointInvalid:
+            continue
+        value = epoch_metric(manifest, metric)
+        if value is not None:
+            key = checkpoint_key(folder) or (0, 0)
+            ranked.append((sign * value, key, Best(folder.name, manifest.step, manifest.epoch, value)))
+    ranked.sort(key=lambda item: item[:2], reverse=True)
+    return [best for _, _, best in ranked[:keep]]
+
+
+def record_best(root: Path, keep: int, metric: str) -> set[Path]:
+    """Rank the checkpoints in ``root``, rewrite ``best.json`` (atomically) to name the ``keep``
+    best, and return their folders for retention to spare. ``best.json`` is written before
+    anything is deleted: if that fails, the caller purges nothing this time, so the file never
+    names a deleted folder. ``keep=0`` (off) removes a ``best.json`` left by an earlier run, as
+    retention no longer spares what it names."""
+    if keep == 0:
+        try:
+            (root / BEST).unlink()
+            log.info("checkpoint_best_dropped", path=str(root / BEST), detail="--keep-best is 0")
+        except FileNotFoundError:
+            pass
+        return set()
+    best = best_checkpoints(root, keep, metric)
+    doc = {
+        "format": BEST_FORMAT,
+        "version": BEST_VERSION,
+        "metric": metric,
+        "better": BEST_METRICS[metric],
+        "best": [asdict(b) for b in best],
+    }
+    write_atomic(root / BEST, (json.dumps(doc, indent=1) + "\n").encode())
+    return {root / b.folder for b in best}
+
+
+def read_best(root: Path) -> list[Best]:
+    """What ``best.json`` in ``root`` names, best first; empty without one (``--keep-best 0``).
+    Raises ``ValueError`` for a file this build did not write."""
+    try:
+        doc = json.loads((root / BEST).read_text())
+    except FileNotFoundError:
+        return []
+    if not isinstance(doc, dict) or doc.get("format") != BEST_FORMAT or doc.get("version") != BEST_VERSION:
+        raise ValueError(f"{root / BEST}: not an elastic-train best.json of version {BEST_VERSION}")
+    return [Best(**entry) for entry in doc["best"]]
 
 
 class Purger:

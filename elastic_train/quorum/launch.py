@@ -22,9 +22,9 @@ interpreter start-up and the imports (``elastic_train.launch`` does the same for
 * ``--nnodes`` / ``--node-rank``: replica groups are numbered ``node_rank * nproc + local``.
 * ``--max-restarts`` counts per replica group: a group past it stays down; the others go on.
 * SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT are forwarded to every worker (they agree on a step,
-  participant 0 checkpoints it, all exit 75/76/130) and nothing is restarted afterwards. The
-  workers sit in sessions of their own, so a Ctrl-C in the terminal reaches them once, from here;
-  a second Ctrl-C is forwarded too and ends them at once.
+  participant 0 checkpoints it, all exit 75/76/130) and nothing is restarted afterwards. A
+  Ctrl-C in the terminal reaches the workers (in this agent's process group) and the agent's
+  copy within milliseconds: one press; a second press ends them at once.
 * Exit status: 0 when a worker finished the training (every replica's finish is the same
   training); 75/76/130 when stopped by a signal; 2 on bad input; otherwise the last failure's code.
 """
@@ -77,7 +77,9 @@ def worker(environ: dict[str, str], argv: list[str]) -> None:
     # A job template's MASTER_ADDR/PORT would become every replica's own store: each hosts its own.
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
-    os.setsid()  # out of the terminal's process group: a Ctrl-C arrives once, forwarded by the agent
+    # The worker stays in the agent's process group (a node's processes freeze and die together
+    # with it): a Ctrl-C reaches it from the terminal and, milliseconds later, as the agent's
+    # forwarded copy, which the trainer takes for one press (resilience/preemption.py).
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)  # the trainer installs its own
     signal.signal(signal.SIGINT, signal.default_int_handler)

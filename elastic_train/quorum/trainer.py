@@ -53,6 +53,7 @@ from torch.utils.data import default_collate
 
 from elastic_train.boundary import FinalCheckpointFailed
 from elastic_train.checkpoint.format import CheckpointInvalid, checkpoint_key, latest_target, step_dir_name, step_of
+from elastic_train.checkpoint.init_from import apply_init_weights, read_init_weights
 from elastic_train.checkpoint.manager import Checkpointer, Loaded, NewerCommitted, choose_checkpoint, load
 from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
 from elastic_train.config import TrainConfig
@@ -92,6 +93,7 @@ from elastic_train.trainer import (
     build_optimizer,
     build_schedule,
     restore_extra,
+    resume_on_schedule,
     seed_everything,
 )
 
@@ -172,8 +174,27 @@ class QuorumProgress:
         return Totals(correct, loss_sum, int(samples), format_digest(np.array(self.digest, dtype=np.uint64)))
 
 
+# The stop vote travels in the SUM-reduced stats: each replica adds STOP_BASE ** kind, so the
+# strongest kind asked for anywhere is the highest power present (exact in float64 below
+# STOP_BASE replicas). Every replica then stops the same way: a Ctrl-C on one node's agent is
+# an interrupt on every replica, never a preemption a job script would requeue.
+STOP_BASE = 1024
+
+
+def stop_vote(kind: StopKind) -> float:
+    return float(STOP_BASE ** int(kind)) if kind is not StopKind.NONE else 0.0
+
+
+def agreed_stop(total: float) -> StopKind:
+    """The strongest stop in a sum of ``stop_vote``s (``NONE`` for 0)."""
+    for kind in sorted(StopKind, reverse=True):
+        if kind is not StopKind.NONE and total >= STOP_BASE ** int(kind):
+            return kind
+    return StopKind.NONE
+
+
 def share_stats(
-    correct: torch.Tensor, mean_loss: torch.Tensor, indices: torch.Tensor, votes: tuple[bool, bool]
+    correct: torch.Tensor, mean_loss: torch.Tensor, indices: torch.Tensor, votes: tuple[StopKind, bool]
 ) -> torch.Tensor:
     """This participant's addends to the step's exact sums (``STATS`` float64 values)."""
     stats = torch.zeros(STATS, dtype=torch.float64)
@@ -181,7 +202,7 @@ def share_stats(
     stats[CORRECT] = float(correct)
     stats[LOSS_SUM] = float(mean_loss) * count
     stats[SAMPLES] = count
-    stats[STOP], stats[SAVE] = float(votes[0]), float(votes[1])
+    stats[STOP], stats[SAVE] = stop_vote(votes[0]), float(votes[1])
     lanes = index_digest(indices)
     halves = np.concatenate([lanes & _LOW32, lanes >> np.uint64(32)]).astype(np.float64)
     stats[DIGEST:] = torch.from_numpy(halves)
@@ -225,13 +246,17 @@ class QuorumTrainer:
         self.train_items = Indexed(data.train, by_epoch=data.train_by_epoch)
         seed_everything(cfg.seed)  # the same initial weights on every replica: no transfer at step 0
         self.module: nn.Module = task.model(data).to(self.device)
+        if cfg.init_from is not None and latest_target(cfg.checkpoint_dir) is None:
+            # --init-from on a fresh job: every replica the same weights (no checkpoint yet; once
+            # there is one, the line starts from it, and a late replica heals from a peer).
+            apply_init_weights(self.module, read_init_weights(cfg.init_from), cfg.init_from)
         self.extra: ExtraState | None = task.extra_state(self.module) if task.extra_state is not None else None
         self.optimizer = (
             task.optimizer(self.module) if task.optimizer is not None else build_optimizer(cfg, self.module)
         )
         self.total_steps = cfg.epochs * self.schedule.batches_per_epoch
         self.scheduler = (
-            task.scheduler(self.optimizer, self.total_steps)
+            task.make_scheduler(self.optimizer, self.total_steps)
             if task.scheduler is not None
             else build_schedule(cfg, self.optimizer, self.total_steps)
         )
@@ -405,20 +430,26 @@ class QuorumTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             rest, stats = list(share.indices), torch.zeros(STATS, dtype=torch.float64)
             self._buffers_before = [b.detach().clone() for b in self._buffers]  # a discarded attempt's
-        if rest:  # forward updates them too (BatchNorm statistics): put back on discard
-            batch, indices = self._batch(share.epoch, rest)
+        # Forward updates them too (BatchNorm statistics): put back on discard. In micro-batches
+        # of --micro-batch-size samples (memory bounded whatever the quorum's size): gradients
+        # accumulate; each part weighs its own size, the sums add up exactly.
+        micro = self.cfg.micro_batch_size or len(rest) or 1
+        for part in (rest[i : i + micro] for i in range(0, len(rest), micro)):
+            batch, indices = self._batch(share.epoch, part)
             x, y = self.task.to_device(batch, self.device)
             with self.precision.autocast():
                 outputs = self.module(x)
                 loss = self.task.loss(outputs, y)
             # W/G per sample: the participants' average is the global batch's mean (loss_weight).
-            weight = len(rest) * attempt.world / self.cfg.batch_size
+            weight = len(part) * attempt.world / self.cfg.batch_size
             self.precision.scaler.scale(loss * weight).backward()  # type: ignore[no-untyped-call]
-            stats += share_stats(self.task.correct(outputs.detach(), y), loss.detach().float(), indices, (False, False))
+            stats += share_stats(
+                self.task.correct(outputs.detach(), y), loss.detach().float(), indices, (StopKind.NONE, False)
+            )
         save_due = self.cfg.checkpoint_every_seconds > 0 and (
             time.monotonic() - self._last_save >= self.cfg.checkpoint_every_seconds
         )
-        stats[STOP] = float(self.preemption.kind is not StopKind.NONE)
+        stats[STOP] = stop_vote(self.preemption.kind)
         stats[SAVE] = float(save_due and attempt.rank == 0)
         mine = stats.clone()
         # First the positions (and the sums): gradients of different global batches are never averaged.
@@ -677,8 +708,7 @@ class QuorumTrainer:
             committed = self._save(step, sync=stop or self.progress.finished)
         self._collect_save()
         if stop:
-            kind = self.preemption.kind if self.preemption.kind is not StopKind.NONE else StopKind.PREEMPT  # a peer's
-            raise Preempted(step, bool(committed), kind)
+            raise Preempted(step, bool(committed), agreed_stop(float(stats[STOP])))
         if self.progress.finished and committed is False:  # participant 0's final save
             raise FinalCheckpointFailed(step)
 
@@ -742,7 +772,7 @@ class QuorumTrainer:
                 extra[i] += self.task.metrics[name](outputs, y).detach().to(torch.float64)
         stats = torch.zeros(STATS + len(names), dtype=torch.float64)
         stats[CORRECT:STOP] = sums.sums.cpu()
-        stats[STOP] = float(self.preemption.kind is not StopKind.NONE)
+        stats[STOP] = stop_vote(self.preemption.kind)
         lanes = sums._lanes()
         stats[DIGEST:STATS] = torch.from_numpy(
             np.concatenate([lanes & _LOW32, lanes >> np.uint64(32)]).astype(np.float64)
@@ -830,9 +860,15 @@ class QuorumTrainer:
             scaler=self.precision.scaler,
         )
         restore_extra(self.extra, done.extra, self.task, loaded.folder)
+        if self.task.scheduler is None:  # as restart mode does: another --epochs' curve
+            resume_on_schedule(self.scheduler, self.optimizer)
         app = TrainerCheckpoint.from_json(done.payload.app)
         self.stopper.resume(app.early_stop)
         pos = done.position
+        # A finished run trains on when this run's flags ask for more (--epochs, target, patience).
+        last_acc = float(app.history[-1]["val_acc"]) if app.history else None
+        over = pos.epoch >= self.cfg.epochs or (last_acc is not None and bool(self.stopper.stops_at(last_acc)))
+        finished = pos.finished and over
         sums = MetricSums(torch.device("cpu"))
         for part in done.old_ranks:
             sums.sums += part[TRAIN_SUMS].cpu()
@@ -845,7 +881,7 @@ class QuorumTrainer:
             elapsed=max(float(part[ELAPSED]) for part in done.old_ranks),
             history=app.history,
             early_stop=self.stopper.state(),
-            finished=pos.finished,
+            finished=finished,
             timeline=self.checkpointer.timeline,
         )
         saved = Accounting.from_json(done.payload.accounting) if done.payload.accounting else None

@@ -23,7 +23,11 @@ The handlers only record the request. At the next step boundary the ranks agree 
 ``boundary.StepBoundary``), so a signal that reached one rank stops all of them at the same step.
 Repeated signals are ignored: Slurm and torchrun often deliver each signal twice. A repeated
 SIGINT is a second Ctrl-C only when it comes ``DOUBLE_DELIVERY_S`` or more after the first: a
-launcher's forwarded copy of the same Ctrl-C arrives within milliseconds of the terminal's.
+launcher's forwarded copy of the same Ctrl-C arrives within milliseconds of the terminal's. So
+is a SIGTERM that late after a SIGINT: torch's agent, interrupted a second time while it waits
+for its workers, shuts them down with SIGTERM, not with the second SIGINT. While the signal
+thread runs (``StopGrace``), it alone judges the timing, from when each signal arrived; the
+Python handler runs late when the main thread is in C++, and would take one press for two.
 
 **The grace period.** A Python handler runs only when the main thread is back in the
 interpreter. A rank blocked inside a collective (a dead NCCL peer, a frozen host: its peers sit
@@ -91,6 +95,9 @@ class StopKind(IntEnum):
 
     @property
     def exit_code(self) -> ExitCode:
+        """The code a stop of this kind exits with; NONE is no stop and has none."""
+        if self is StopKind.NONE:
+            raise ValueError("StopKind.NONE is no stop: it has no exit code")
         return _EXIT_CODES[self]
 
     @property
@@ -107,7 +114,6 @@ class StopKind(IntEnum):
 
 
 _EXIT_CODES = {
-    StopKind.NONE: ExitCode.OK,
     StopKind.INTERRUPT: ExitCode.INTERRUPTED,
     StopKind.STOP: ExitCode.STOPPED,
     StopKind.PREEMPT: ExitCode.PREEMPTED,
@@ -123,7 +129,12 @@ def end_at_once(why: str, exit_fn: Callable[[int], Any] = os._exit) -> None:
     """A second Ctrl-C: leave now. Nothing is written (the last committed checkpoint stays
     ``latest``); one line on stderr says so. Safe from a signal handler or any thread."""
     with contextlib.suppress(OSError):
-        os.write(2, f"\n{why}: exiting now without a checkpoint (the last committed one is kept)\n".encode())
+        fd = os.dup(2)  # non-blocking on a copy: a stalled terminal must not hold the exit up
+        try:
+            os.set_blocking(fd, False)
+            os.write(fd, f"\n{why}: exiting now without a checkpoint (the last committed one is kept)\n".encode())
+        finally:
+            os.close(fd)
     exit_fn(ExitCode.INTERRUPTED)
 
 
@@ -203,6 +214,7 @@ class StopGrace:
             return
         signal.set_wakeup_fd(self._previous_fd)
         self._closed.set()
+        self._disarmed.set()  # wakes a watcher sleeping out the grace: it must not outlive us
         reader, writer = self._sockets
         writer.close()
         with contextlib.suppress(OSError):
@@ -228,14 +240,20 @@ class StopGrace:
                     return signum
         return None
 
+    @property
+    def watching(self) -> bool:
+        """Whether the signal thread runs (it then judges a second Ctrl-C, not the handler)."""
+        return self._sockets is not None
+
     def _note_interrupts(self, signums: bytes) -> None:
         """A second Ctrl-C ends the process at once, whatever the main thread is doing."""
         for signum in signums:
-            if signum != signal.SIGINT:
+            if signum not in (signal.SIGINT, signal.SIGTERM):
                 continue
             now = time.monotonic()
             if self._first_interrupt is None:
-                self._first_interrupt = now
+                if signum == signal.SIGINT:
+                    self._first_interrupt = now
             elif now - self._first_interrupt >= DOUBLE_DELIVERY_S:
                 end_at_once("Second Ctrl-C", self._exit)
 
@@ -336,10 +354,11 @@ class PreemptionFlag:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only flags: no logging, no I/O inside a handler (a second Ctrl-C's one line aside).
         # A preemption outranks a stop, a stop a Ctrl-C.
-        if signum == signal.SIGINT:
+        if signum in (signal.SIGINT, signal.SIGTERM) and not (self.grace is not None and self.grace.watching):
             now = time.monotonic()
             if self._first_interrupt is None:
-                self._first_interrupt = now
+                if signum == signal.SIGINT:
+                    self._first_interrupt = now
             elif now - self._first_interrupt >= DOUBLE_DELIVERY_S:
                 end_at_once("Second Ctrl-C", self._exit)
                 return

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.checkpoint.format import latest_target
 from elastic_train.outcome import INTERRUPTED_MARKER, ExitCode, read_marker
 from tests.helpers import (
     BIN,
@@ -139,3 +140,36 @@ def test_a_failed_final_save_in_quorum_mode_is_the_jobs_failure_not_a_success(tm
     assert done.returncode == ExitCode.FINAL_CHECKPOINT_FAILED, done.output
     assert "Training finished at step 4, but its final checkpoint could NOT be committed" in done.stdout, done.output
     assert not (tmp_path / "ckpt" / "step-00000004").exists(), "the failed save's files were left behind"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "warm"])
+def test_a_second_ctrl_c_on_a_launcher_ends_its_workers_at_once(tmp_path: Path, launcher: str) -> None:
+    """torch's agent, interrupted a second time while it waits for its workers, stops them with
+    SIGTERM (not the second SIGINT): the workers take it as the second press and exit 130 at
+    once, keeping the last committed checkpoint, long before the agent's 30 s SIGKILL."""
+    head = [str(BIN / "torchrun")] if launcher == "torchrun" else [sys.executable, "-m", "elastic_train.launch"]
+    cmd = [*head, *STANDALONE_2, "-m", "elastic_train", *RUN, *dirs(tmp_path)]
+    env = base_env({"ELASTIC_TRAIN_FAULTS": "hold:rank=0:step=5:until=never"})  # never released
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "ckpt" / ".faults" / "fault-hold-rank0-step5-untilnever.fired").exists():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "rank 0 never reached step 5"
+            time.sleep(0.05)
+        before = latest_target(tmp_path / "ckpt")
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(1.0)
+        began = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - began
+    finally:
+        kill_group(proc)
+        kill_tagged(env["ELASTIC_TRAIN_TEST_TOKEN"])
+    assert took < 15, f"the second Ctrl-C took {took:.1f}s:\n{out[-3000:]}"
+    assert "Second Ctrl-C: exiting now without a checkpoint" in out, out[-3000:]
+    assert proc.returncode != 0 and (launcher == "torchrun" or proc.returncode == ExitCode.INTERRUPTED), out[-2000:]
+    assert before is not None and latest_target(tmp_path / "ckpt") == before

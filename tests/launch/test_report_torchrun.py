@@ -18,10 +18,17 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 def test_report_of_a_two_process_run_with_a_killed_worker(tmp_path: Path) -> None:
     done = torchrun(
         ["--standalone", "--nproc_per_node=2", "--max-restarts=1"],
-        [*RESUME_RUN, *dirs(tmp_path)],
-        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=5"},
+        [*RESUME_RUN, "--log-every", "1", *dirs(tmp_path)],
+        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=7"},  # after step 4's commit: 5, 6 redone
     )
     assert done.returncode == 0 and "Resumed from" in done.stdout, done.output
+    # The per-step curve: every step once, and the recomputed ones (5, 6) once more after the kill.
+    from elastic_train import report
+
+    logged = report.load_run(tmp_path / "logs")
+    assert sorted(s["step"] for s in logged.steps) == [1, 2, 3, 4, 5, 5, 6, 6, 7, 8], logged.steps
+    spans = report.recovery_spans(logged)
+    assert [s.kind for s in spans] == ["lost", "redone"] and all(s.end > s.start for s in spans), spans
     out = tmp_path / "report.png"
     made = run([sys.executable, "-m", "elastic_train.report", str(tmp_path / "logs"), "-o", str(out)], timeout=120)
     assert made.returncode == 0, made.output

@@ -165,6 +165,68 @@ def test_a_finished_run_is_not_trained_again(tmp_path: Path, reference: Path) ->
     assert "Training already finished" in done.stdout and "Epoch " not in done.stdout
 
 
+def test_a_finished_run_given_more_epochs_trains_them_on_the_stretched_schedule(
+    tmp_path: Path, reference: Path
+) -> None:
+    """--epochs 2 -> 3 on a finished run: epoch 3 is trained (its samples exactly those of an
+    uninterrupted 3-epoch run's epoch 3), from a learning rate on the schedule over 3 epochs
+    (the 2-epoch curve had decayed to 0), booked as a new launch, not a recovery."""
+    shutil.copytree(reference / "ckpt", tmp_path / "ckpt", symlinks=True)
+    shutil.copytree(reference / "logs", tmp_path / "logs")
+    done = cli([*RESUME_RUN, *dirs(tmp_path), "--epochs", "3"])
+    assert done.returncode == 0, done.output
+    assert f"Extending the finished run {tmp_path / 'ckpt' / step_dir_name(8)} (epoch 2) to --epochs 3" in done.stdout
+    lr = float(done.stdout.split("learning rate ")[1].split()[0])
+    assert lr > 0, done.stdout
+    assert "Epoch 3/3:" in done.stdout and "Restarts: 0" in done.stdout, done.stdout
+    longer = cli([*RESUME_RUN, *dirs(tmp_path / "three"), "--epochs", "3"])
+    assert longer.returncode == 0, longer.output
+    ours, theirs = epoch_metrics(tmp_path), epoch_metrics(tmp_path / "three")
+    assert [m["epoch"] for m in ours] == [1, 2, 3]
+    assert (ours[2]["samples_seen"], ours[2]["sample_digest"]) == (
+        theirs[2]["samples_seen"],
+        theirs[2]["sample_digest"],
+    )
+    again = cli([*RESUME_RUN, *dirs(tmp_path), "--epochs", "3"])
+    assert "Training already finished" in again.stdout and "all 3 epoch(s) of --epochs 3 are done" in again.stdout
+
+
+def test_init_from_another_runs_checkpoint_or_its_export_starts_from_those_weights(
+    tmp_path: Path, reference: Path
+) -> None:
+    """The model only (a fresh optimizer): the first step from the reference's final weights
+    gives the same model as the same first step from its exported file; another model's
+    checkpoint is refused naming the tensors; a resume of the run itself ignores --init-from."""
+    exported = tmp_path / "model.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_train.ckpt", "export", str(reference / "ckpt"), "-o", str(exported)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    one_step = [*RESUME_RUN, "--epochs", "1", "--max-steps-per-epoch", "1", "--checkpoint-every", "0"]
+    runs = {}
+    for name, source in (("from-ckpt", reference / "ckpt"), ("from-file", exported)):
+        runs[name] = cli([*one_step, *dirs(tmp_path / name), "--init-from", str(source)])
+        assert runs[name].returncode == 0, runs[name].output
+        assert f"Initial weights from {source}" in runs[name].stdout
+    a, b = final_state(tmp_path / "from-ckpt"), final_state(tmp_path / "from-file")
+    assert_bitwise_equal(
+        {k: v for k, v in a.items() if k.startswith("model.")}, {k: v for k, v in b.items() if k.startswith("model.")}
+    )
+    assert cli([*one_step, *dirs(tmp_path / "fresh")]).returncode == 0
+    fresh = final_state(tmp_path / "fresh")
+    assert not all(torch.equal(fresh[k], v) for k, v in a.items() if k.startswith("model.")), (
+        "--init-from had no effect"
+    )
+    refused = cli([*one_step, *dirs(tmp_path / "other"), "--init-from", str(exported), "--model", "resnet18"])
+    assert refused.returncode == 2 and "does not fit the model" in refused.stderr, refused.output
+    assert "missing from the file:" in refused.stderr and not step_folders(tmp_path / "other" / "ckpt")
+    again = cli([*one_step, *dirs(tmp_path / "from-file"), "--init-from", str(exported), "--epochs", "2"])
+    assert again.returncode == 0 and "Initial weights" not in again.stdout, again.output
+
+
 def test_a_second_run_on_the_same_checkpoint_dir_is_refused(tmp_path: Path) -> None:
     long_run = [*RESUME_RUN, "--epochs", "50", *dirs(tmp_path / "a")]
     first = subprocess.Popen(

@@ -50,7 +50,8 @@ def test_the_seeds_flags_parse_with_the_seeds_meaning() -> None:
         (["--dataset", "tiny-imagenet"], "needs --data-dir"),
         (["--max-steps-per-epoch", "0"], "must be >= 1"),
         (["--epochs", "two"], "invalid int value"),
-        (["--data-dir", "/data/imagenet"], "--dataset synthetic does not read files"),
+        (["--keep-best", "-1"], "--keep-best -1 must be >= 0"),
+        (["--best-metric", "f1"], "invalid choice: 'f1'"),
     ],
 )
 def test_bad_flags_raise_a_usage_error_with_a_fix(argv: list[str], problem: str) -> None:
@@ -58,6 +59,14 @@ def test_bad_flags_raise_a_usage_error_with_a_fix(argv: list[str], problem: str)
         parse_config(argv)
     assert problem in str(info.value)
     assert "Fix:" in str(info.value)
+
+
+def test_keep_best_is_off_by_default_and_an_unknown_metric_is_refused_naming_the_choices() -> None:
+    cfg = parse_config(["--keep-best", "2", "--best-metric", "val_loss"])
+    assert (cfg.keep_best, cfg.best_metric) == (2, "val_loss")
+    assert (TrainConfig().keep_best, TrainConfig().best_metric) == (0, "val_acc")
+    with pytest.raises(UsageError, match="--best-metric 'f1' is not one of val_acc, train_acc, val_loss, train_loss"):
+        TrainConfig(best_metric="f1")  # a library caller, past argparse's choices
 
 
 def test_a_global_batch_smaller_than_the_world_is_a_usage_error_with_a_fix() -> None:

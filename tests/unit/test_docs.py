@@ -144,3 +144,11 @@ def check_cluster_example(cmd: str) -> None:
         script = next(i for i, w in enumerate(words) if w.endswith(".sbatch") or w.endswith(".sh"))
         trainer = words[script + 1 :]
     parse_config(trainer)  # raises UsageError on an unknown flag or a bad value
+
+
+def test_the_readme_names_every_flag_of_the_trainer() -> None:
+    from elastic_train.cli import build_parser
+
+    readme = (ROOT / "README.md").read_text()
+    flags = [o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert [f for f in flags if f"`{f}" not in readme] == [], "add them to the README's flag table"

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_train import progress
 from elastic_train.distributed import process_group as pg
 from elastic_train.distributed.env import DistEnv
 from elastic_train.precision import choose_precision
@@ -125,17 +126,33 @@ def test_precision_choices_on_cpu() -> None:
 
 def test_progress_bar_draws_on_a_terminal_and_erases_itself() -> None:
     stream = io.StringIO()
-    bar = ProgressBar(enabled=True, stream=stream, refresh_s=0)
+    bar = ProgressBar(enabled=True, stream=stream, refresh_s=0, terminal=True)
     bar.start("Epoch 1/2", total=4)
     for done in range(1, 5):
         bar.update(done)
     bar.close()
     text = stream.getvalue()
-    assert "Epoch 1/2 [" in text and "4/4" in text and text.endswith("\r\033[K")
+    assert "Epoch 1/2" in text and "4/4" in text  # tqdm's bar, removed at the end (leave=False)
     quiet = io.StringIO()
-    silent = ProgressBar(enabled=False, stream=quiet)
+    silent = ProgressBar(enabled=False, stream=quiet, terminal=True)
     silent.start("x", 2)
     silent.update(1)
     silent.close()
     assert quiet.getvalue() == ""
-    assert not ProgressBar.for_terminal(True).enabled  # pytest's stderr is not a terminal
+
+
+def test_in_a_log_progress_is_a_line_now_and_then_not_a_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    stream = io.StringIO()
+    bar = ProgressBar(enabled=True, stream=stream, terminal=False, line_every_s=60)
+    bar.start("Epoch 3/10", total=5000, done=200)
+    for done in range(201, 1201):
+        clock[0] += 0.1  # 10 steps/s: 1000 steps take 100 s, one line at 60 s
+        bar.update(done)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert lines == ["Epoch 3/10: 800/5000 steps (16%), 10.0 steps/s, 0:07:00 left"], lines
+    assert "\r" not in stream.getvalue()
+    in_a_log = ProgressBar.for_terminal(True)  # pytest's stderr is not a terminal: lines, not a bar
+    assert in_a_log.enabled and not in_a_log.terminal

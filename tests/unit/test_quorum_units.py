@@ -31,9 +31,18 @@ from elastic_train.quorum.trainer import (
     SAMPLES,
     STOP,
     QuorumProgress,
+    agreed_stop,
     digest_lanes,
     share_stats,
+    stop_vote,
 )
+from elastic_train.resilience.preemption import StopKind
+
+NO_VOTES = (StopKind.NONE, False)
+
+
+def votes(stop: bool) -> tuple[StopKind, bool]:
+    return (StopKind.INTERRUPT if stop else StopKind.NONE, False)
 
 
 @settings(max_examples=60, deadline=None)
@@ -46,15 +55,18 @@ def test_the_summed_share_stats_are_the_global_batch_exactly_for_any_split(
     indices: list[int], world: int, stop_from: int
 ) -> None:
     world = min(world, len(indices))
-    total = torch.zeros_like(share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor([0]), (False, False)))
+    total = torch.zeros_like(share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor([0]), NO_VOTES))
     for rank in range(world):
         share = split_evenly(len(indices), world, rank)
         part = torch.tensor(indices[share.start : share.stop])
         correct = torch.tensor(int(part.numel()) // 2)
-        total += share_stats(correct, torch.tensor(0.5), part, (rank == stop_from, False))
+        total += share_stats(
+            correct, torch.tensor(0.5), part, (StopKind.INTERRUPT if rank == stop_from else StopKind.NONE, False)
+        )
     assert total[SAMPLES] == len(indices) and total[LOSS_SUM] == 0.5 * len(indices)
     assert total[CORRECT] == sum(len(split_evenly(len(indices), world, r)) // 2 for r in range(world))
     assert (total[STOP] > 0) == (stop_from < world), "a stop requested by any participant reaches all"
+    assert agreed_stop(float(total[STOP])) is (StopKind.INTERRUPT if stop_from < world else StopKind.NONE)
     # The digest lanes travel as 32-bit halves in float64 and come back mod 2^64, bit for bit.
     assert format_digest(digest_lanes(total)) == format_digest(index_digest(torch.tensor(indices)))
 
@@ -62,12 +74,10 @@ def test_the_summed_share_stats_are_the_global_batch_exactly_for_any_split(
 def test_a_repeated_or_missing_sample_changes_the_summed_digest() -> None:
     full = [0, 1, 2, 3]
     parts = ([0, 1], [2, 3])
-    summed = sum(share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor(p), (False, False)) for p in parts)
+    summed = sum(share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor(p), NO_VOTES) for p in parts)
     assert isinstance(summed, torch.Tensor)
     assert format_digest(digest_lanes(summed)) == format_digest(index_digest(torch.tensor(full)))
-    repeated = sum(
-        share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor(p), (False, False)) for p in ([0, 1], [1, 3])
-    )
+    repeated = sum(share_stats(torch.tensor(0), torch.tensor(0.0), torch.tensor(p), NO_VOTES) for p in ([0, 1], [1, 3]))
     assert isinstance(repeated, torch.Tensor)
     assert format_digest(digest_lanes(repeated)) != format_digest(index_digest(torch.tensor(full)))
 
@@ -227,3 +237,19 @@ def test_quorum_settings_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.replica_id == "replica_3" and config.collective_timeout_s == 2.0
     with pytest.raises(UsageError, match="--ft"):
         TrainConfig(ft="torchft")
+
+
+@pytest.mark.parametrize(
+    ("kinds", "expected"),
+    [
+        ([], StopKind.NONE),
+        ([StopKind.INTERRUPT] * 1000, StopKind.INTERRUPT),
+        ([StopKind.INTERRUPT, StopKind.STOP, StopKind.INTERRUPT], StopKind.STOP),
+        ([StopKind.STOP] * 999 + [StopKind.PREEMPT], StopKind.PREEMPT),
+    ],
+)
+def test_the_summed_stop_votes_give_the_strongest_kind_asked_for(kinds: list[StopKind], expected: StopKind) -> None:
+    """A Ctrl-C on one node's replicas stops every replica as an interrupt (not a preemption a
+    job script would requeue); a preemption anywhere wins."""
+    total = sum((stop_vote(k) for k in kinds), 0.0)
+    assert agreed_stop(total) is expected

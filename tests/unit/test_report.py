@@ -76,6 +76,7 @@ def test_a_quorum_run_is_drawn_as_the_quorum_size_with_its_discards_and_heals(tm
         + line("quorum_changed", 10, world=1)
         + line("quorum_changed", 13, world=2)
         + line("checkpoint_committed", 20, step=12)
+        + line("done", 21, goodput=0.61, lost_s=3.5, recomputed_steps=2)
     )
     (log_dir / "replica_1.jsonl").write_text(
         line("quorum_changed", 1, world=2)
@@ -87,6 +88,9 @@ def test_a_quorum_run_is_drawn_as_the_quorum_size_with_its_discards_and_heals(tm
     lines = report.summary_lines(run)
     assert "Quorum size: 2 -> 1 -> 2 (2 membership change(s))" in lines
     assert "Attempts discarded: 1; workers healed from a peer: 1" in lines and "Checkpoints committed: 1" in lines
+    # Finished, with its goodput, and the time axis from the job's first event, not the clock's 0.
+    assert "Goodput: 0.61 (time lost to recovery 3.5 s, steps recomputed 2)" in lines
+    assert run.origin == report.parse_timestamp("2026-11-30T10:00:01Z")
     pytest.importorskip("matplotlib")
     assert report.main([str(log_dir), "-o", str(tmp_path / "r.png")]) == 0
     assert (tmp_path / "r.png").stat().st_size > 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
 from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer
 from elastic_train.cli import main
@@ -152,3 +153,19 @@ def test_a_checkpoint_without_the_tasks_extra_state_is_refused_not_crashed_on(
     with pytest.raises(UsageError, match="has no extra state, but task char-lm keeps some"):
         trainer.restore(loaded)
     trainer.close()
+
+
+def test_task_data_with_an_identity_that_is_not_a_function_is_refused_at_once() -> None:
+    data = TensorDataset(torch.zeros(4, 2), torch.zeros(4))
+    with pytest.raises(UsageError, match=r"identity=\.\.\.\) got a dict, not a function"):
+        TaskData(data, data, identity={"sha256": "abc"})  # type: ignore[arg-type]
+
+
+def test_a_scheduler_a_checkpoint_cannot_save_is_refused_at_start() -> None:
+    class NoState:
+        def step(self) -> None: ...
+
+    task = Task(name="t", data=lambda: None, model=lambda _: None, scheduler=lambda opt, n: NoState())  # type: ignore[arg-type, return-value]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(UsageError, match="has no state_dict, load_state_dict"):
+        task.make_scheduler(opt, 10)

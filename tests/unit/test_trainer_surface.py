@@ -19,6 +19,7 @@ OWN = {
     "elastic_train.config": {"TrainConfig"},  # public too; listed for clarity
     "elastic_train.logs": {"Console", "MetricsFile", "file_only"},  # the seed's console and metrics file
     "elastic_train.progress": {"ProgressBar"},  # a terminal progress bar
+    "elastic_train.step_log": {"StepLog"},  # the per-step curve
     "elastic_train.early_stop": {"EarlyStopper", "decide_stop"},  # the seed's early-stop policy
     "elastic_train.precision": {"Precision", "choose_precision"},  # the --amp/--amp-dtype choice
     "elastic_train.metrics": {"EpochRecord"},  # one line of metrics.jsonl

@@ -1,0 +1,37 @@
+"""Small plug-in tasks the tests pass as ``--task tests.tasks:NAME`` (run from the repository root)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastic_train import Task, TaskData
+
+
+class _WithAnIdleBranch(nn.Module):
+    """A classifier with a head the loss never uses: DDP cannot average its gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 4)
+        self.idle = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _data() -> TaskData:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g)
+    return TaskData(TensorDataset(x[:192], y[:192]), TensorDataset(x[192:], y[192:]), description="idle-branch")
+
+
+def idle_branch(cfg: Any) -> Task:
+    return Task(name="idle-branch", data=_data, model=lambda _: _WithAnIdleBranch())
+
+
+def idle_branch_declared(cfg: Any) -> Task:
+    return Task(name="idle-branch", data=_data, model=lambda _: _WithAnIdleBranch(), find_unused_parameters=True)
