@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 ## The main job: 2 CPU processes under torchrun on the built-in dataset; stops early on target.
 ## Each demo starts fresh: it clears its own log and checkpoint folders first.
 demo: $(STAMP)
-	rm -rf logs/demo checkpoints/demo
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m elastic_train --log-dir logs/demo --checkpoint-dir checkpoints/demo
+	rm -rf runs/demo
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m elastic_train --run-dir runs/demo
 
 ## The whole test suite, every layer folder (tests/unit, process, launch, slurm, netns; README "Development").
 ## Two test files at a time (-n 2 --dist loadfile): many tests wait on timers (hang timeouts,

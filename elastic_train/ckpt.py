@@ -9,7 +9,9 @@
   plain parameter names, for inference (``model.load_state_dict(load_file(...))``).
 
 A checkpoint directory argument may also be given where a step folder is expected: its
-``latest`` is used.
+``latest`` is used. A run folder (``--run-dir``) stands for its ``checkpoints``; ``list`` and
+``verify`` also take a folder of runs (each run's checkpoints, in turn), where ``inspect`` and
+``export`` ask for one of them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,31 @@ from elastic_train.checkpoint.format import (
     verify,
 )
 from elastic_train.outcome import ExitCode
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return (path / MANIFEST).exists() or bool(step_folders(path)) or latest_target(path) is not None
+
+
+def checkpoint_roots(path: Path) -> list[Path]:
+    """``path`` as the tools read it: a checkpoint directory or step folder as it is; a run
+    folder (``--run-dir``) as its ``checkpoints``; a folder of runs as every checkpoint directory
+    found one or two levels under it (``runs/NAME/checkpoints``, ``old/NAME``)."""
+    if _is_checkpoint_dir(path) or aside_folders(path):
+        return [path]
+    if (path / "checkpoints").is_dir():
+        return [path / "checkpoints"]
+    below = [c for c in (*path.glob("*/checkpoints"), *path.glob("*")) if c.is_dir() and _is_checkpoint_dir(c)]
+    return sorted(set(below)) or [path]
+
+
+def _one_root(path: Path) -> Path | None:
+    roots = checkpoint_roots(path)
+    if len(roots) > 1:
+        names = ", ".join(str(r) for r in roots)
+        print(f"error: {path} holds several runs' checkpoints ({names}): name one of them", file=sys.stderr)
+        return None
+    return roots[0]
 
 
 def _step_folder(path: Path) -> Path:
@@ -160,13 +187,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.dir.exists():
         print(f"error: {args.dir} does not exist", file=sys.stderr)
         return ExitCode.USAGE
-    if args.command == "list":
-        return cmd_list(args.dir)
-    if args.command == "verify":
-        return cmd_verify(args.dir)
+    if args.command in ("list", "verify"):
+        command = cmd_list if args.command == "list" else cmd_verify
+        roots = checkpoint_roots(args.dir)
+        codes = []
+        for root in roots:
+            if len(roots) > 1:
+                print(f"== {root}")
+            codes.append(command(root))
+        return max(codes)
+    one = _one_root(args.dir)
+    if one is None:
+        return ExitCode.USAGE
     if args.command == "inspect":
-        return cmd_inspect(args.dir)
-    return cmd_export(args.dir, args.output)
+        return cmd_inspect(one)
+    return cmd_export(one, args.output)
 
 
 if __name__ == "__main__":

@@ -195,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
         "costs the survivors this; a dead peer fails it at once). Raise it if step times vary by more",
     )
     ck = p.add_argument_group("checkpoints")
+    ck.add_argument(
+        "--run-dir",
+        type=Path,
+        default=d.run_dir,
+        metavar="DIR",
+        help="one folder for the run: DIR/logs and DIR/checkpoints (unless --log-dir/--checkpoint-dir are given); "
+        "`python -m elastic_train.report DIR` and `python -m elastic_train.ckpt list DIR` take it too",
+    )
     ck.add_argument("--checkpoint-dir", type=Path, default=d.checkpoint_dir)
     ck.add_argument(
         "--checkpoint-every",

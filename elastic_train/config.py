@@ -101,6 +101,9 @@ class TrainConfig:
     log_every: int = 10  # steps between lines of <log-dir>/steps.jsonl (and TensorBoard); 0: off
     # Checkpoints (see docs/checkpoint-format.md).
     checkpoint_dir: Path = field(default_factory=lambda: Path("checkpoints"))
+    # One folder per run: <run-dir>/logs and <run-dir>/checkpoints, unless --log-dir or
+    # --checkpoint-dir is given too. The report and the checkpoint tool take it as well.
+    run_dir: Path | None = None
     checkpoint_every: int = 0  # steps; 0: at epoch ends only
     checkpoint_every_seconds: float = 0.0  # 0: off
     keep_last: int = 3
@@ -118,6 +121,11 @@ class TrainConfig:
     peer_timeout: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.run_dir is not None:  # frozen: set the derived folders once, here
+            if self.log_dir == Path("logs"):
+                object.__setattr__(self, "log_dir", self.run_dir / "logs")
+            if self.checkpoint_dir == Path("checkpoints"):
+                object.__setattr__(self, "checkpoint_dir", self.run_dir / "checkpoints")
         if not is_model_name(self.model):
             raise UsageError(
                 f"--model {self.model!r} is not one of {MODEL_CHOICES}",

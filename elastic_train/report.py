@@ -338,9 +338,12 @@ def _draw_timeline(run: Run, ax: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m elastic_train.report", description=__doc__.splitlines()[0])
-    parser.add_argument("log_dir", type=Path, help="the --log-dir of a run")
+    parser.add_argument("log_dir", type=Path, help="the --log-dir of a run, or its --run-dir")
     parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (default LOG_DIR/report.png)")
     args = parser.parse_args(argv)
+    default_output = args.log_dir / "report.png"
+    if not (args.log_dir / "metrics.jsonl").is_file() and (args.log_dir / "logs" / "metrics.jsonl").is_file():
+        args.log_dir = args.log_dir / "logs"  # a --run-dir: its report goes beside logs/ and checkpoints/
     try:
         run = load_run(args.log_dir)
     except FileNotFoundError as exc:
@@ -348,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.USAGE
     for line in summary_lines(run):
         print(line)
-    output = args.output or args.log_dir / "report.png"
+    output = args.output or default_output
     try:
         draw(run, output)
     except ModuleNotFoundError as exc:

@@ -85,6 +85,9 @@ from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import UsageError
 
 log = structlog.get_logger(__name__)
+# The way out every refusal of a directory's checkpoints suggests: one that is never refused in
+# turn (``--resume never`` is, for a directory that holds checkpoints).
+START_FRESH = "start fresh in an empty --checkpoint-dir (e.g. another --run-dir)"
 
 HEARTBEAT_EVERY_S = 1.0
 T = TypeVar("T")
@@ -666,7 +669,8 @@ class Checkpointer:
         first = next((e for e in errors if e), None)
         if first:
             raise UsageError(
-                f"checkpoint {folder} could not be loaded: {first}", "check the storage, or use --resume never"
+                f"checkpoint {folder} could not be loaded: {first}",
+                f"check the storage, or {START_FRESH}",
             )
         self.parent = folder
         self.last_committed_step = loaded.manifest.step
@@ -760,7 +764,8 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
             raise UsageError(
                 f"--resume never, but {cfg.root} already holds checkpoints (newest: {done[0].name}) "
                 "that a fresh run would overwrite",
-                "point --checkpoint-dir at an empty folder, move the old checkpoints away, or use --resume auto",
+                "point --checkpoint-dir (or --run-dir) at an empty folder or move the old checkpoints away; "
+                "to continue them instead, leave --resume at auto",
             )
         return Selection(None)
     if mode != "auto":
@@ -810,7 +815,7 @@ def choose_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Sel
     if problems and (done or latest is not None):
         raise UsageError(
             f"{root} holds checkpoints but none is valid: {'; '.join(problems)}",
-            "repair or move them away, point --checkpoint-dir elsewhere, or pass --resume never to start fresh",
+            f"repair or move them away, or {START_FRESH}",
         )
     return Selection(None)
 
@@ -851,11 +856,11 @@ def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, An
         if recorded.get(key) != fingerprint.get(key)
     ]
     if diffs:
-        hint = "run with the checkpoint's settings, or use another --checkpoint-dir / --resume never"
+        hint = f"run with the checkpoint's settings, or {START_FRESH}"
         if any(d.startswith(DATA_KEY) for d in diffs):
             hint = (
                 "resume on the dataset the checkpoint was trained on (same files, sizes and labels; "
-                "its folder may move), or start fresh with another --checkpoint-dir / --resume never"
+                f"its folder may move), or {START_FRESH}"
             )
         raise UsageError(f"checkpoint {folder} is incompatible with this run ({'; '.join(diffs)})", hint)
 

@@ -21,18 +21,13 @@ def test_quickstart_commands_run_verbatim(tmp_path: Path) -> None:
         assert cmd in documented, f"RUN_HERE lists `{cmd}`, which no doc shows any more"
         words = shlex.split(cmd)
         assert words[0] in ("python", "torchrun")
-        # The launchers train on their own, in folders of their own (they would find the run above finished).
-        if words[0] == "torchrun":
-            cwd, argv = tmp_path / "torchrun", [str(BIN / "torchrun"), *words[1:]]
-        else:
-            own = {"elastic_train.launch": "launch", "elastic_train.quorum.launch": "quorum"}
-            cwd = tmp_path / own[words[2]] if words[2] in own else tmp_path
-            argv = [sys.executable, *words[1:]]
-        cwd.mkdir(exist_ok=True)
-        done = run(argv, timeout=240, cwd=cwd)
+        # In order, in one folder, as a newcomer types them: each run has a folder of its own.
+        argv = [str(BIN / "torchrun"), *words[1:]] if words[0] == "torchrun" else [sys.executable, *words[1:]]
+        done = run(argv, timeout=240, cwd=tmp_path)
         assert done.returncode == 0, f"`{cmd}` failed:\n{done.output}"
     assert (tmp_path / "model.safetensors").stat().st_size > 100_000
-    assert (tmp_path / "report.png").stat().st_size > 20_000
-    assert (tmp_path / "launch" / "logs" / "metrics.jsonl").is_file()
-    assert (tmp_path / "torchrun" / "logs" / "metrics.jsonl").is_file()
-    assert (tmp_path / "quorum" / "logs" / "metrics.jsonl").is_file()
+    assert (tmp_path / "runs" / "taste" / "report.png").stat().st_size > 20_000
+    for name in ("taste", "warm", "torchrun", "quorum"):
+        assert (tmp_path / "runs" / name / "logs" / "metrics.jsonl").is_file(), name
+        assert (tmp_path / "runs" / name / "checkpoints" / "latest").exists(), name
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "checkpoints").exists()

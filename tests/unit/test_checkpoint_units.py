@@ -274,7 +274,8 @@ def test_no_valid_checkpoint_is_an_error_not_a_fresh_start(tmp_path: Path) -> No
     corrupt(make_checkpoint(tmp_path, 2), "manifest")
     with pytest.raises(UsageError, match="none is valid") as info:
         choose(tmp_path)
-    assert "--resume never" in str(info.value) and len(fmt.step_folders(tmp_path)) == 2
+    assert "empty --checkpoint-dir" in str(info.value) and len(fmt.step_folders(tmp_path)) == 2
+    assert "--resume never" not in str(info.value)  # refused in turn for this directory: never suggested
 
 
 def test_empty_or_missing_directory_starts_fresh(tmp_path: Path) -> None:
@@ -866,3 +867,16 @@ def test_waiting_for_a_slow_shard_write_keeps_the_step_watchdog_fed() -> None:
         slow = pool.submit(lambda: (_time.sleep(2.5), "written")[1])
         assert ck._wait_beating(slow) == "written"  # type: ignore[arg-type]
     assert len(beats) >= 2, beats
+
+
+def test_the_checkpoint_tool_reads_a_run_folder_and_a_folder_of_runs(tmp_path: Path) -> None:
+    from elastic_train.ckpt import checkpoint_roots
+
+    for run in ("a", "b"):
+        (tmp_path / "runs" / run / "checkpoints" / fmt.step_dir_name(2)).mkdir(parents=True)
+    (tmp_path / "old" / fmt.step_dir_name(4)).mkdir(parents=True)  # a plain checkpoint directory
+    runs = tmp_path / "runs"
+    assert checkpoint_roots(runs / "a") == [runs / "a" / "checkpoints"]
+    assert checkpoint_roots(runs) == [runs / "a" / "checkpoints", runs / "b" / "checkpoints"]
+    assert checkpoint_roots(tmp_path / "old") == [tmp_path / "old"]
+    assert checkpoint_roots(tmp_path) == [tmp_path / "old"]  # runs/ is two levels down from here

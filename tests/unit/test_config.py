@@ -122,3 +122,11 @@ def test_env_is_read_once_from_torchrun_variables() -> None:
 def test_inconsistent_launcher_env_is_a_usage_error(environ: dict[str, str]) -> None:
     with pytest.raises(UsageError):
         DistEnv.from_environ(environ)
+
+
+def test_a_run_dir_holds_the_runs_logs_and_checkpoints_unless_they_are_named() -> None:
+    cfg = parse_config(["--run-dir", "runs/first"])
+    assert (cfg.log_dir, cfg.checkpoint_dir) == (Path("runs/first/logs"), Path("runs/first/checkpoints"))
+    named = parse_config(["--run-dir", "runs/first", "--checkpoint-dir", "/fast/ckpt"])
+    assert (named.log_dir, named.checkpoint_dir) == (Path("runs/first/logs"), Path("/fast/ckpt"))
+    assert parse_config([]).log_dir == Path("logs")

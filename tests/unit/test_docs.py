@@ -27,16 +27,19 @@ from tests.helpers import ROOT
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 RUN_HERE = [
-    "python -m elastic_train --epochs 2 --max-steps-per-epoch 10",
+    "python -m elastic_train --run-dir runs/taste --epochs 2 --max-steps-per-epoch 10",
     "python -m elastic_train.launch --standalone --nproc_per_node=2 --max-restarts=3 -m elastic_train "
-    "--epochs 2 --max-steps-per-epoch 10",
-    "torchrun --standalone --nproc_per_node=2 --max-restarts=3 -m elastic_train --epochs 2 --max-steps-per-epoch 10",
-    "python -m elastic_train.ckpt list checkpoints",
-    "python -m elastic_train.ckpt verify checkpoints",
-    "python -m elastic_train.ckpt inspect checkpoints",
-    "python -m elastic_train.ckpt export checkpoints -o model.safetensors",
-    "python -m elastic_train.report logs -o report.png",
-    "python -m elastic_train.quorum.launch --nproc-per-node 2 -m elastic_train --epochs 2 --max-steps-per-epoch 10",
+    "--run-dir runs/warm --epochs 2 --max-steps-per-epoch 10",
+    "torchrun --standalone --nproc_per_node=2 --max-restarts=3 -m elastic_train --run-dir runs/torchrun --epochs 2 "
+    "--max-steps-per-epoch 10",
+    "python -m elastic_train.ckpt list runs/taste",
+    "python -m elastic_train.ckpt verify runs/taste",
+    "python -m elastic_train.ckpt inspect runs/taste",
+    "python -m elastic_train.ckpt export runs/taste -o model.safetensors",
+    "python -m elastic_train.report runs/taste",
+    "python -m elastic_train.quorum.launch --nproc-per-node 2 -m elastic_train --run-dir runs/quorum --epochs 2 "
+    "--max-steps-per-epoch 10",
+    "python -m elastic_train.ckpt verify runs",
 ]
 ELASTIC = "tests/launch/test_elastic.py::"
 SLURM = "tests/slurm/test_slurm.py::"
