@@ -145,11 +145,14 @@ class EpochRecord:
     step: int  # global optimizer steps completed at the end of the epoch
     val_metrics: dict[str, float] = field(default_factory=dict)  # a task's extra metrics, per val sample
 
-    def console_line(self, epochs: int, unit: str = "img") -> str:
-        """The seed's epoch line, same fields and number formats (``unit``: what a sample is)."""
+    def console_line(self, epochs: int, unit: str = "img", accuracy: bool = True) -> str:
+        """The seed's epoch line, same fields and number formats (``unit``: what a sample is;
+        ``accuracy`` False: a task without one, its two fields left out)."""
+        train_acc = f"train_acc={self.train_acc:.4f}, " if accuracy else ""
+        val_acc = f"val_acc={self.val_acc:.4f}, " if accuracy else ""
         return (
             f"Epoch {self.epoch}/{epochs}: time={self.epoch_time:.3f}s, train_loss={self.train_loss:.4f}, "
-            f"train_acc={self.train_acc:.4f}, val_loss={self.val_loss:.4f}, val_acc={self.val_acc:.4f}, "
+            f"{train_acc}val_loss={self.val_loss:.4f}, {val_acc}"
             f"throughput={self.throughput:.1f} {unit}/s"
             + "".join(f", {name}={value:.4f}" for name, value in self.val_metrics.items())
         )

@@ -139,6 +139,36 @@ class Task:
     # DDP's setting for a model whose loss does not use every parameter at every step (a
     # branch taken by some batches only): slower, so off unless the task says so.
     find_unused_parameters: bool = False
+    # What early stop watches, and which way is better: "val_acc" (the seed's, with
+    # --target-accuracy), "val_loss", "train_loss", "train_acc" or "val_<name>" of ``metrics``;
+    # ``target``: stop once reached (None: --target-accuracy for val_acc, else patience only).
+    monitor: str = "val_acc"
+    mode: str = "max"  # "max" or "min"
+    target: float | None = None
+    # False for a task whose ``correct`` means nothing (a regression): the console's epoch line
+    # leaves train_acc / val_acc out (metrics.jsonl keeps its fields, as 0).
+    accuracy: bool = True
+
+    def __post_init__(self) -> None:
+        known = ("val_acc", "val_loss", "train_acc", "train_loss", *(f"val_{name}" for name in self.metrics))
+        if self.monitor not in known:
+            raise UsageError(
+                f"task {self.name}: monitor={self.monitor!r} is not one of its metrics", f"pick one of {known}"
+            )
+        if self.mode not in ("max", "min"):
+            raise UsageError(f"task {self.name}: mode={self.mode!r}", "pass 'max' (higher is better) or 'min'")
+
+    def monitored(self, record: Any) -> float:
+        """The value early stop watches in an epoch's record (``metrics.EpochRecord``)."""
+        if self.monitor.startswith("val_") and self.monitor[4:] in record.val_metrics:
+            return float(record.val_metrics[self.monitor[4:]])
+        return float(getattr(record, self.monitor))
+
+    def early_stop_target(self, target_accuracy: float) -> float | None:
+        """The monitored metric's target: the task's own, else --target-accuracy for val_acc."""
+        if self.target is not None:
+            return self.target
+        return target_accuracy if self.monitor == "val_acc" else None
 
     @property
     def rate_unit(self) -> str:

@@ -219,7 +219,9 @@ class Trainer:
             else build_schedule(cfg, self.optimizer, self.total_steps)
         )
         self.precision: Precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
-        self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
+        self.stopper = EarlyStopper(
+            task.early_stop_target(cfg.target_accuracy), cfg.patience, monitor=task.monitor, mode=task.mode
+        )
         self.state = TrainState()
         # A partly trained epoch restored from a checkpoint: its metric sums and time so far.
         self._resumed_sums: MetricSums | None = None
@@ -362,7 +364,7 @@ class Trainer:
         if self.state.epoch >= self.cfg.epochs:
             return f"all {self.state.epoch} epoch(s) of --epochs {self.cfg.epochs} are done"
         if self.state.history:
-            return self.stopper.stops_at(self.state.history[-1].val_acc)
+            return self.stopper.stops_at(self.task.monitored(self.state.history[-1]))
         return ""
 
     def restore(self, loaded: Loaded) -> None:
@@ -476,10 +478,10 @@ class Trainer:
             self.state.history.append(record)
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
-            self.console.line(record.console_line(self.cfg.epochs, self.task.rate_unit))
+            self.console.line(record.console_line(self.cfg.epochs, self.task.rate_unit, self.task.accuracy))
             self.metrics_file.append(record.to_json())
             log.info("epoch_end", **file_only(**record.to_json()))
-            stopped_early = decide_stop(self.stopper, record.val_acc, self.env.is_main, self.device)
+            stopped_early = decide_stop(self.stopper, self.task.monitored(record), self.env.is_main, self.device)
             if stopped_early:
                 self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
             if self.boundary is not None:

@@ -35,3 +35,26 @@ def idle_branch(cfg: Any) -> Task:
 
 def idle_branch_declared(cfg: Any) -> Task:
     return Task(name="idle-branch", data=_data, model=lambda _: _WithAnIdleBranch(), find_unused_parameters=True)
+
+
+def _regression_data() -> TaskData:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 4, generator=g)
+    y = (x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])).squeeze(1)
+    return TaskData(TensorDataset(x[:384], y[:384]), TensorDataset(x[384:], y[384:]), description="linear")
+
+
+def regression(cfg: Any) -> Task:
+    """A regression: no accuracy; early stop on val_loss going down to a target."""
+    return Task(
+        name="regression",
+        data=_regression_data,
+        model=lambda _: nn.Sequential(nn.Linear(4, 1), nn.Flatten(0)),
+        loss=nn.functional.mse_loss,
+        correct=lambda outputs, targets: torch.zeros((), dtype=torch.float64),
+        monitor="val_loss",
+        mode="min",
+        target=0.5,
+        accuracy=False,
+        optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.05),
+    )

@@ -274,7 +274,9 @@ class QuorumTrainer:
         self._broken_group: int | None = None
         # A heal's load_state_dict and the optimizer step wait for a running save's copies.
         checkpointer.guard(self.module, self.optimizer)
-        self.stopper = EarlyStopper(cfg.target_accuracy, cfg.patience)
+        self.stopper = EarlyStopper(
+            task.early_stop_target(cfg.target_accuracy), cfg.patience, monitor=task.monitor, mode=task.mode
+        )
         self.progress = QuorumProgress(
             early_stop=self.stopper.state(), timeline=checkpointer.timeline, job_start=job_start or time.time()
         )
@@ -818,9 +820,11 @@ class QuorumTrainer:
             record.to_json(), key=("epoch", "step", "sample_digest"), since=p.job_start - METRICS_CLOCK_SLACK_S
         )
         if first and self.console is not None:
-            self.console.line(record.console_line(self.cfg.epochs, self.task.rate_unit), always=True)
+            self.console.line(
+                record.console_line(self.cfg.epochs, self.task.rate_unit, self.task.accuracy), always=True
+            )
         log.info("epoch_end", **file_only(**record.to_json()))
-        stop = self.stopper.update(record.val_acc)
+        stop = self.stopper.update(self.task.monitored(record))
         if stop and first and self.console is not None:
             self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}", always=True)
         p.finished = stop or p.epoch >= self.cfg.epochs
@@ -866,8 +870,8 @@ class QuorumTrainer:
         self.stopper.resume(app.early_stop)
         pos = done.position
         # A finished run trains on when this run's flags ask for more (--epochs, target, patience).
-        last_acc = float(app.history[-1]["val_acc"]) if app.history else None
-        over = pos.epoch >= self.cfg.epochs or (last_acc is not None and bool(self.stopper.stops_at(last_acc)))
+        last = self.task.monitored(EpochRecord(**app.history[-1])) if app.history else None
+        over = pos.epoch >= self.cfg.epochs or (last is not None and bool(self.stopper.stops_at(last)))
         finished = pos.finished and over
         sums = MetricSums(torch.device("cpu"))
         for part in done.old_ranks:

@@ -28,3 +28,14 @@ def test_flags_a_task_does_not_use_are_named_at_start_and_never_refuse_its_resum
     assert more.returncode == 0, more.output
     assert "Ignored with task idle-branch: --model resnet18" in more.stdout
     assert "Extending the finished run" in more.stdout, more.stdout  # not refused for another --model
+
+
+def test_a_regression_task_stops_early_on_its_own_metric_and_shows_no_accuracy(tmp_path: Path) -> None:
+    done = cli(
+        [*flags(batch_size=32, max_steps_per_epoch=12, epochs=20), "--task", "tests.tasks:regression", *dirs(tmp_path)]
+    )
+    assert done.returncode == 0, done.output
+    assert "Early stopping at epoch" in done.stdout and "val_loss" in done.stdout, done.stdout
+    epochs = [line for line in done.stdout.splitlines() if line.startswith("Epoch ")]
+    assert epochs and all("acc=" not in line for line in epochs), epochs
+    assert len(epochs) < 20, "it never stopped on its target"

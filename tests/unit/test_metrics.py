@@ -172,3 +172,21 @@ def test_an_epoch_line_offered_by_every_replica_that_committed_is_written_once(t
     # An earlier run's identical line (before this job started) does not stand for this job's.
     assert files[0].append_once(record, key=("epoch", "step", "sample_digest"), since=time.time() + 1)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_early_stop_watches_any_metric_in_its_direction() -> None:
+    stopper = EarlyStopper(target_accuracy=0.10, patience=2, monitor="val_loss", mode="min")
+    assert not stopper.update(0.9) and not stopper.update(0.5)
+    assert not stopper.update(0.6)  # worse: one epoch without improvement
+    assert stopper.update(0.7) and stopper.reason == "no val_loss improvement over 0.5000 for 2 epoch(s)"
+    reached = EarlyStopper(target_accuracy=0.10, patience=0, monitor="val_loss", mode="min")
+    assert reached.update(0.09) and reached.reason == "val_loss 0.0900 <= target 0.1000"
+    patient = EarlyStopper(target_accuracy=None, patience=0, monitor="val_mse", mode="min")
+    assert not any(patient.update(v) for v in (3.0, 2.0, 1.0, 0.0))  # no target, no patience: never
+
+
+def test_a_val_acc_stopper_resumes_from_a_checkpoint_written_before_best_existed() -> None:
+    old = {"target_accuracy": 0.9, "patience": 2, "best_accuracy": 0.8, "epochs_without_improvement": 1, "reason": ""}
+    stopper = EarlyStopper(target_accuracy=0.95, patience=2)
+    stopper.resume(old)
+    assert stopper.update(0.7) and stopper.reason == "no val_acc improvement over 0.8000 for 2 epoch(s)"
