@@ -17,7 +17,7 @@ safetensors. The stand-ins rebuild exactly that from this machine's interpreter,
   with torch on PYTHONPATH (how EasyBuild modules expose their packages).
 
 pip never reaches a network here: ET_PIP_ARGS points at a wheel directory repacked from the test
-venv's installed copies of the four packages, and the machine's pip configuration is switched off.
+venv's installed copies of those packages, and the machine's pip configuration is switched off.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 from tests.helpers import ROOT, Finished, flags, run
 
 # What the runtimes lack (pyproject.toml's dependencies besides torch, torchvision and numpy).
-LACKING = ["structlog", "tenacity", "safetensors", "xxhash"]
+LACKING = ["structlog", "tenacity", "safetensors", "tqdm", "xxhash"]  # xxhash last: see wheels_without_xxhash
 TINY = flags(epochs=1, max_steps_per_epoch=2, batch_size=16, target_accuracy=1.0)
 # Runs the runtime setup of the job scripts alone, then a probe in the runtime it set up.
 PROBE = (
