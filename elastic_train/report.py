@@ -265,7 +265,7 @@ def _draw_loss_over_time(run: Run, ax: Any) -> None:
     the time shaded by what it was spent on, failures, restarts and commits where they happened."""
     t0 = run.origin
     xs = [float(s["time"]) - t0 for s in run.steps]
-    ax.plot(xs, [s["loss"] for s in run.steps], ".", markersize=3, color="tab:blue", label="loss (rank 0's share)")
+    ax.plot(xs, [s["loss"] for s in run.steps], ".", markersize=3, color="tab:blue", label="training loss")
     for a in run.attempts:
         ax.axvspan(a.start - t0, a.end - t0, color="tab:green", alpha=0.08, lw=0)
     colors = {"lost": "tab:red", "redone": "tab:orange"}

@@ -2,10 +2,12 @@
 and, when TensorBoard is installed (``pip install 'elastic-train[tensorboard]'``), writes the same
 scalars under ``<log-dir>/tensorboard``.
 
-A line: ``{"step", "time", "epoch", "loss", "lr", "samples_per_s", "world_size"}``. ``loss`` is rank
-0's share of the step (its mean; the exact global figures stay per epoch in ``metrics.jsonl``:
-a global per-step loss would cost a collective each time); ``samples_per_s`` is the global batch
-over the wall time since the previous line, per step. After a restart the steps after the
+A line: ``{"step", "time", "epoch", "loss", "lr", "samples_per_s", "world_size"}``. In restart
+mode ``loss`` is rank 0's share of the step (its mean; the exact global figures stay per epoch in
+``metrics.jsonl``: a global per-step loss would cost a collective each time); in quorum mode the
+step's participant 0 writes the global batch's loss, exact (the step's sums are exchanged
+anyway). ``samples_per_s`` is the global batch over the wall time since the previous line, per
+step. After a restart the steps after the
 checkpoint are logged again (they were recomputed): ``python -m elastic_train.report`` draws them
 against wall-clock time, where the repeat shows as the time the failure cost.
 

@@ -194,6 +194,7 @@ def _run(
         return code
     finally:
         watchdog.stop()
+        trainer.step_log.close()  # the worker ends with os._exit: TensorBoard's buffer first
         replica.close()
         checkpointer.close()
     for line in summary.console_lines():

@@ -83,6 +83,7 @@ from elastic_train.quorum.timeouts import WaitBound
 from elastic_train.resilience.goodput import Accounting
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.step_log import StepLog
 from elastic_train.task import ExtraState, Task, TaskData
 from elastic_train.trainer import (
     ELAPSED,
@@ -238,6 +239,8 @@ class QuorumTrainer:
         self.watchdog = watchdog
         self.console = console
         self.metrics_file = metrics_file
+        # The per-step curve, written by each step's participant 0 from the step's exact sums.
+        self.step_log = StepLog(cfg.log_dir, cfg.log_every, True, cfg.batch_size)
         self.groups = groups  # replica groups the job was launched with (for the start line)
         self.faults = faults  # injected faults (tests, benchmarks): ``rank`` is the replica group
         # Inside the step watchdog's limit, which last saw this replica before the round's collective.
@@ -698,6 +701,10 @@ class QuorumTrainer:
         step = self.train_step
         if self.watchdog is not None:
             self.watchdog.beat(step)
+        if attempt.rank == 0 and not evaluated and self.step_log.due(step) and stats[SAMPLES] > 0:
+            loss = float(stats[LOSS_SUM] / stats[SAMPLES])  # the global batch's, exact
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            self.step_log.step(step, self.progress.epoch + 1, loss, lr, attempt.world)
         stop = stats[STOP] > 0 and not self.progress.finished
         every = self.cfg.checkpoint_every
         # The step that completes an epoch is not saved by the step count: its evaluation round

@@ -131,7 +131,7 @@ def test_a_failed_final_save_in_quorum_mode_is_the_jobs_failure_not_a_success(tm
     """Participant 0 (whichever replica group it is) cannot write the final checkpoint: the other has
     finished the same training, but the job's end is not on disk, so the agent exits 81."""
     launch = [sys.executable, "-m", "elastic_train.quorum.launch", "--nproc-per-node", "2", "--max-restarts", "0"]
-    short = flags(batch_size=32, max_steps_per_epoch=4, epochs=1, target_accuracy=1.0, image_size=16)
+    short = flags(batch_size=32, max_steps_per_epoch=4, epochs=1, target_accuracy=1.0, image_size=16, log_every=1)
     done = run(
         [*launch, "-m", "elastic_train", *short, *dirs(tmp_path)],
         timeout=180,
@@ -140,6 +140,9 @@ def test_a_failed_final_save_in_quorum_mode_is_the_jobs_failure_not_a_success(tm
     assert done.returncode == ExitCode.FINAL_CHECKPOINT_FAILED, done.output
     assert "Training finished at step 4, but its final checkpoint could NOT be committed" in done.stdout, done.output
     assert not (tmp_path / "ckpt" / "step-00000004").exists(), "the failed save's files were left behind"
+    # The per-step curve: each committed step once, written by its participant 0 (the global loss).
+    curve = read_jsonl(tmp_path / "logs" / "steps.jsonl")
+    assert [line["step"] for line in curve] == [1, 2, 3, 4] and all(line["loss"] > 0 for line in curve), curve
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "warm"])
