@@ -125,6 +125,29 @@ _CAUSES = {
 }
 
 
+class SecondPress:
+    """The rule for a second Ctrl-C, kept once for the handler and the signal thread: a SIGINT,
+    then a SIGINT or SIGTERM ``DOUBLE_DELIVERY_S`` or more later, ends the process at once."""
+
+    def __init__(self, exit_fn: Callable[[int], Any]) -> None:
+        self._exit = exit_fn
+        self._first: float | None = None  # monotonic time of the first SIGINT
+
+    def note(self, signum: int) -> bool:
+        """Record ``signum``; True when it was a second press (the process is being ended)."""
+        if signum not in (signal.SIGINT, signal.SIGTERM):
+            return False
+        now = time.monotonic()
+        if self._first is None:
+            if signum == signal.SIGINT:
+                self._first = now
+            return False
+        if now - self._first < DOUBLE_DELIVERY_S:
+            return False
+        end_at_once("Second Ctrl-C", self._exit)
+        return True
+
+
 def end_at_once(why: str, exit_fn: Callable[[int], Any] = os._exit) -> None:
     """A second Ctrl-C: leave now. Nothing is written (the last committed checkpoint stays
     ``latest``); one line on stderr says so. Safe from a signal handler or any thread."""
@@ -174,7 +197,7 @@ class StopGrace:
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._previous_fd = -1
         self._thread: threading.Thread | None = None
-        self._first_interrupt: float | None = None  # monotonic time of the first SIGINT seen
+        self._presses = SecondPress(exit_fn)
 
     def install(self) -> None:
         """From the main thread, after the Python handlers are installed."""
@@ -248,14 +271,7 @@ class StopGrace:
     def _note_interrupts(self, signums: bytes) -> None:
         """A second Ctrl-C ends the process at once, whatever the main thread is doing."""
         for signum in signums:
-            if signum not in (signal.SIGINT, signal.SIGTERM):
-                continue
-            now = time.monotonic()
-            if self._first_interrupt is None:
-                if signum == signal.SIGINT:
-                    self._first_interrupt = now
-            elif now - self._first_interrupt >= DOUBLE_DELIVERY_S:
-                end_at_once("Second Ctrl-C", self._exit)
+            self._presses.note(signum)
 
     def _listen_for_interrupts(self) -> None:
         """After the first stop signal, from a second thread: only a second Ctrl-C matters."""
@@ -330,8 +346,7 @@ class PreemptionFlag:
         self.kind = StopKind.NONE
         self.grace = grace
         self._previous: dict[int, Any] = {}
-        self._first_interrupt: float | None = None
-        self._exit = exit_fn
+        self._presses = SecondPress(exit_fn)
 
     def install(self) -> None:
         for sig in SIGNALS:
@@ -354,14 +369,9 @@ class PreemptionFlag:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only flags: no logging, no I/O inside a handler (a second Ctrl-C's one line aside).
         # A preemption outranks a stop, a stop a Ctrl-C.
-        if signum in (signal.SIGINT, signal.SIGTERM) and not (self.grace is not None and self.grace.watching):
-            now = time.monotonic()
-            if self._first_interrupt is None:
-                if signum == signal.SIGINT:
-                    self._first_interrupt = now
-            elif now - self._first_interrupt >= DOUBLE_DELIVERY_S:
-                end_at_once("Second Ctrl-C", self._exit)
-                return
+        watched = self.grace is not None and self.grace.watching  # the signal thread judges then
+        if not watched and self._presses.note(signum):
+            return
         kind = StopKind.of_signal(signum)
         if kind > self.kind:
             self.kind = kind
