@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -315,6 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Until the trainer installs its stop handlers, a Ctrl-C has nothing to save: exit 130 at
     # once, without a KeyboardInterrupt traceback from the middle of an import.
     signal.signal(signal.SIGINT, _interrupted_while_starting)
+    # A worker that dies in native code (a segfault, an abort: a bad extension, a SIGABRT from
+    # an operator) prints every thread's Python stack first: where it was, not just "Signal 6".
+    faulthandler.enable(all_threads=True)
     env: DistEnv | None = None
     code = 1
     launch = usage_memo.launch_of(launcher_pid)

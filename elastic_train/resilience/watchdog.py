@@ -2,10 +2,11 @@
 
 The trainer calls ``beat`` after every step and evaluation batch. A daemon thread checks the
 time since the last beat; past ``--hang-timeout`` seconds it logs the rank, the step and what it
-was doing, writes ``<marker-dir>/.hang-rank-<r>.json`` when given a marker directory (the next
-attempt books its restart as a ``hang`` from it, see ``elastic_train.outcome``; the write waits
-at most ``outcome.HANG_MARKER_WRITE_S``, as the hang may be the disk's), and ends the process
-with ``ExitCode.HUNG`` (124, as timeout(1) uses). This catches a rank stuck outside collectives
+was doing, dumps every thread's Python stack to stderr (where the rank is stuck), writes
+``<marker-dir>/.hang-rank-<r>.json`` when given a marker directory (the next attempt books its
+restart as a ``hang`` from it, see ``elastic_train.outcome``; the write waits at most
+``outcome.HANG_MARKER_WRITE_S``, as the hang may be the disk's), and ends the process with
+``ExitCode.HUNG`` (124, as timeout(1) uses). This catches a rank stuck outside collectives
 (a deadlocked loader, a wedged filesystem) and the peers of a stopped rank, which sit in a
 collective until it returns; ``--collective-timeout`` is the backstop inside the backend.
 
@@ -15,6 +16,8 @@ initialisation, compilation), a synchronous checkpoint of a large model, an eval
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import threading
 import time
@@ -99,6 +102,10 @@ class StepWatchdog:
             seconds_without_progress=round(idle, 1),
             exit_code=int(ExitCode.HUNG),
         )
+        # Where the stuck thread is: the main thread's stack says which collective, which
+        # loader, which file. Native code is dumped safely (faulthandler reads frames, not locks).
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(all_threads=True)
         if self.marker_dir is not None:
             marker = Marker(RestartCause.HANG, self._step, self.rank, phase=self._phase)
             if not write_marker_best_effort(self.marker_dir, marker):

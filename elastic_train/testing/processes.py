@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -60,6 +61,25 @@ def kill_tagged(token: str) -> None:
     for pid in tagged(token):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def no_core_dumps() -> None:
+    """In a child before it runs (inherited by everything it starts): no core files, so the
+    SIGABRT of ``dump_stacks`` leaves nothing in the working tree on hosts that allow cores."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def dump_stacks(token: str, settle_s: float = 3.0) -> int:
+    """SIGABRT every live process carrying ``token``: each worker dumps every thread's Python stack
+    to its stderr on the way out (the trainer enables ``faulthandler``), so a hung test says where
+    each process was stuck. Returns how many were signalled."""
+    pids = tagged(token)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    if pids:
+        time.sleep(settle_s)
+    return len(pids)
 
 
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -125,14 +145,24 @@ def run(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = Non
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=no_core_dumps,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        dumped = dump_stacks(token)
         kill_group(proc)
-        out, err = proc.communicate()
+        # torchrun's workers (sessions of their own) and their DataLoader workers hold the output
+        # pipes too: until they are gone, reading to the end would wait for ever.
+        kill_tagged(token)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out, err = "(unread: the pipes stayed open)", ""
         raise AssertionError(
-            f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out}\n--- stderr\n{err}"
+            f"timed out after {timeout}s: {' '.join(args)}\n"
+            f"(SIGABRT sent to {dumped} process(es) first: their Python stacks are in stderr)\n"
+            f"--- stdout\n{out}\n--- stderr\n{err}"
         ) from None
     finally:
         leftovers = group_alive(proc.pid) or bool(tagged(token))

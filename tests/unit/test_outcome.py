@@ -70,7 +70,9 @@ def test_the_orphan_watch_exits_with_orphaned() -> None:
     assert codes == [ExitCode.ORPHANED]
 
 
-def test_the_watchdog_writes_its_hang_marker_then_exits_with_hung(tmp_path: Path) -> None:
+def test_the_watchdog_writes_its_hang_marker_then_exits_with_hung(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     codes: list[int] = []
     dog = StepWatchdog(0.2, rank=3, poll_s=0.05, marker_dir=tmp_path, exit_fn=codes.append)
     dog.start()
@@ -78,6 +80,9 @@ def test_the_watchdog_writes_its_hang_marker_then_exits_with_hung(tmp_path: Path
     _wait(codes)
     dog.stop()
     assert codes == [ExitCode.HUNG]
+    # Where each thread was: the stuck one (here the test's own, in _wait) and the watchdog's.
+    err = capfd.readouterr().err
+    assert "Current thread" in err and "in _wait" in err and "in _fire" in err, err[-2000:]
     marker = read_marker(tmp_path / hang_marker_name(3))
     assert marker is not None and (marker.cause, marker.rank, marker.step, marker.phase) == (
         RestartCause.HANG,
