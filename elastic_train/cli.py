@@ -318,7 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupted_while_starting)
     # A worker that dies in native code (a segfault, an abort: a bad extension, a SIGABRT from
     # an operator) prints every thread's Python stack first: where it was, not just "Signal 6".
-    faulthandler.enable(all_threads=True)
+    with contextlib.suppress(ValueError, OSError):  # io.UnsupportedOperation: stderr is no file (embedded)
+        faulthandler.enable(all_threads=True)
     env: DistEnv | None = None
     code = 1
     launch = usage_memo.launch_of(launcher_pid)

@@ -31,12 +31,11 @@ def _smoke(*checks: str) -> None:
     assert done.stdout.splitlines()[-1] == f"gpu-check: {len(checks)} passed, 0 failed, 0 skipped", done.stdout
 
 
-def test_the_gpu_check_script_passes_its_one_process_checks_in_its_cpu_smoke_mode() -> None:
-    _smoke("nccl-bf16", "async-save")  # kill-resume at world 1: tests/launch/test_checkpoint_torchrun.py
-
-
-def test_the_gpu_check_script_passes_its_two_process_checks_in_its_cpu_smoke_mode() -> None:
-    _smoke("async-save-2gpu", "kill-resume-2gpu")  # nccl-bf16-2gpu's code is nccl-bf16's at world 2
+def test_the_gpu_check_script_passes_its_one_and_two_process_checks_in_its_cpu_smoke_mode() -> None:
+    # One run of the script for all four (each run starts torch and a bf16 probe first).
+    # kill-resume at world 1: tests/launch/test_checkpoint_torchrun.py; nccl-bf16-2gpu's code is
+    # nccl-bf16's at world 2.
+    _smoke("nccl-bf16", "async-save", "async-save-2gpu", "kill-resume-2gpu")
 
 
 def test_without_a_gpu_the_gpu_check_reports_every_check_skipped_and_exits_0() -> None:
