@@ -5,10 +5,11 @@ time since the last beat; past ``--hang-timeout`` seconds it logs the rank, the 
 was doing, dumps every thread's Python stack to stderr (where the rank is stuck), writes
 ``<marker-dir>/.hang-rank-<r>.json`` when given a marker directory (the next attempt books its
 restart as a ``hang`` from it, see ``elastic_train.outcome``; the write waits at most
-``outcome.HANG_MARKER_WRITE_S``, as the hang may be the disk's), and ends the process with
-``ExitCode.HUNG`` (124, as timeout(1) uses). This catches a rank stuck outside collectives
-(a deadlocked loader, a wedged filesystem) and the peers of a stopped rank, which sit in a
-collective until it returns; ``--collective-timeout`` is the backstop inside the backend.
+``outcome.HANG_MARKER_WRITE_S``, as the hang may be the disk's), kills its DataLoader workers
+(``os._exit`` would leave them behind) and ends the process with ``ExitCode.HUNG`` (124, as
+timeout(1) uses). This catches a rank stuck outside collectives (a deadlocked loader, a wedged
+filesystem) and the peers of a stopped rank, which sit in a collective until it returns;
+``--collective-timeout`` is the backstop inside the backend.
 
 The timeout must exceed the longest legitimate pause between beats: the first step (CUDA
 initialisation, compilation), a synchronous checkpoint of a large model, an evaluation batch.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import multiprocessing
 import os
 import threading
 import time
@@ -110,5 +112,22 @@ class StepWatchdog:
             marker = Marker(RestartCause.HANG, self._step, self.rank, phase=self._phase)
             if not write_marker_best_effort(self.marker_dir, marker):
                 log.warning("hang_marker_not_written", rank=self.rank, marker_dir=str(self.marker_dir))
+        if self._exit is os._exit:
+            end_worker_processes()
         # torchrun sees the exit code and restarts the group from the latest checkpoint.
         self._exit(ExitCode.HUNG)
+
+
+def end_worker_processes() -> None:
+    """SIGKILL this process's multiprocessing children (DataLoader workers) before an
+    ``os._exit``. Daemonic children are ended only by a normal exit's atexit hook, which
+    ``os._exit`` skips; a loader worker that is itself the hang (deadlocked in a dataset's code)
+    never notices its parent is gone, and would outlive it holding memory and the launcher's
+    output pipes."""
+    children = multiprocessing.active_children()
+    for child in children:
+        with contextlib.suppress(Exception):
+            child.kill()
+    for child in children:  # reaped here: no zombie outlives this process either
+        with contextlib.suppress(Exception):
+            child.join(timeout=1.0)
