@@ -26,7 +26,7 @@ import torch
 from elastic_train.checkpoint.format import CheckpointInvalid, FileEntry, check_entry, read_retrying
 from elastic_train.checkpoint.storage import atomic_file, io_retry
 
-_DTYPES = {
+DTYPE_NAMES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -60,11 +60,11 @@ def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple
     chunks, offset = [], 0
     for name in names:
         t = tensors[name]
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPE_NAMES:
             raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
         raw = _raw(t)
         header[name] = {
-            "dtype": _DTYPES[t.dtype],
+            "dtype": DTYPE_NAMES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + raw.nbytes],
         }
