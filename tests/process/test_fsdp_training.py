@@ -1,14 +1,22 @@
-"""FSDP2 on CPU (gloo): the built-in ViT sharded per encoder block trains like one process on
-the whole global batch (same initial weights, same samples, SGD with momentum), to float32 rounding."""
+"""FSDP2 on CPU (gloo) at an uneven world size, in one group of 3 ranks:
+
+* each rank's parameter pieces are exactly the boxes of ``shard_plan.dim0_plan`` (rows 5 and 7
+  do not divide by 3: the last piece is short or empty), hold the right values, and the ranks'
+  boxes together cover each tensor exactly once;
+* the built-in ViT sharded per encoder block trains like one process on the whole global batch
+  (same initial weights, same samples, SGD with momentum), to float32 rounding.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers import spawn_ranks
 
-STEPS, GLOBAL_BATCH, SIZE, CLASSES = 3, 8, 16, 10
+WORLD, STEPS, GLOBAL_BATCH, SIZE, CLASSES = 3, 3, 9, 16, 10
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -29,6 +37,33 @@ def train(model: torch.nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]])
         optimizer.step()
 
 
+def check_boxes(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from elastic_train.checkpoint.dtensor_boxes import global_shape, local_box
+    from elastic_train.checkpoint.shard_plan import Box, covers_exactly_once, dim0_plan
+    from elastic_train.distributed.fsdp import mesh_for, shard_model
+
+    torch.manual_seed(0)  # the same full weights on every rank, to compare the pieces against
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shard_model(model, mesh_for(torch.device("cpu"), world), blocks=[model[0], model[2]])
+    for name, param in model.named_parameters():
+        shape = global_shape(param)
+        box = local_box(param)
+        assert box == dim0_plan(shape, world)[rank], (name, box)
+        local = param.to_local()  # type: ignore[operator]
+        assert tuple(local.shape) == box.lengths
+        assert torch.equal(local, full[name][box.relative_to(Box.whole(shape))]), name
+        mine = torch.tensor([*box.offsets, *box.lengths])  # tensors, not pickled objects
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        dims = len(shape)
+        boxes = [Box(tuple(t[:dims].tolist()), tuple(t[dims:].tolist())) for t in every]
+        assert covers_exactly_once(shape, boxes), (name, boxes)
+    assert local_box(torch.zeros(3, 2)) == Box.whole((3, 2))  # a plain tensor is whole
+
+
 def fsdp_worker(rank: int, world: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -39,6 +74,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        check_boxes(rank, world)
         torch.manual_seed(0)
         model = shard_model(build_model("vit", CLASSES, SIZE), mesh_for(torch.device("cpu"), world))
         assert all(isinstance(p, DTensor) for p in model.parameters())
@@ -53,12 +89,12 @@ def fsdp_worker(rank: int, world: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(180)
-def test_fsdp2_vit_at_two_ranks_trains_like_one_process_on_the_global_batch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.timeout(240)
+def test_fsdp2_at_three_ranks_shards_by_the_plan_and_trains_like_one_process(tmp_path: Path) -> None:
     from elastic_train.models import build_model
 
     out = tmp_path / "fsdp.pt"
-    spawn_ranks(fsdp_worker, 2, (str(out),), timeout=150)
+    spawn_ranks(fsdp_worker, WORLD, (str(out),), timeout=200)
     torch.manual_seed(0)
     reference = build_model("vit", CLASSES, SIZE)
     before = {k: v.detach().clone() for k, v in reference.named_parameters()}
