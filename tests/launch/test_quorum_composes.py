@@ -41,7 +41,7 @@ STANDALONE_2 = ["--standalone", "--nproc-per-node=2"]
 
 
 def launch(
-    base: Path, *extra: str, nproc: int = 2, timeout: float = 120, faults: str = ""
+    base: Path, *extra: str, nproc: int = 2, timeout: float = 200, faults: str = ""
 ) -> subprocess.CompletedProcess[str]:
     env = base_env({FAULTS: faults} if faults else None)
     command = [*AGENT, "--nproc-per-node", str(nproc), "-m", "elastic_train", *RUN, *extra]
