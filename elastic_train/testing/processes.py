@@ -39,11 +39,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def tagged(token: str) -> list[int]:
-    """Live processes whose environment carries ``token`` (torchrun's workers inherit it, even
-    though torchrun starts each of them in a session of its own)."""
+def carrying(name: str, value: str) -> list[int]:
+    """Live processes (other than this one) whose environment holds ``name=value``."""
     found = []
-    needle = f"{TOKEN_VAR}={token}".encode()
+    needle = f"{name}={value}".encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -54,6 +53,12 @@ def tagged(token: str) -> list[int]:
         except OSError:
             continue
     return [pid for pid in found if pid != os.getpid()]
+
+
+def tagged(token: str) -> list[int]:
+    """Live processes whose environment carries ``token`` (torchrun's workers inherit it, even
+    though torchrun starts each of them in a session of its own)."""
+    return carrying(TOKEN_VAR, token)
 
 
 def kill_tagged(token: str) -> None:

@@ -5,14 +5,13 @@ ever after its timeout, with no stack to show where it hung)."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import uuid
 
 import pytest
 
-from elastic_train.testing.processes import run
+from elastic_train.testing.processes import carrying, run
 
 # A parent that enables faulthandler (as the trainer does) and starts a child in a new session
 # that keeps stdout/stderr open; the parent then hangs in a function named for the test to find.
@@ -27,21 +26,6 @@ stuck_in_a_named_place()
 """
 
 
-def carrying(mark: str) -> list[int]:
-    """Live processes whose environment holds ``MARK=mark``."""
-    needle = f"MARK={mark}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as fh:
-                    if needle in fh.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 @pytest.mark.timeout(60)
 def test_a_hung_run_fails_with_its_stack_and_leaves_no_process() -> None:
     mark = uuid.uuid4().hex
@@ -52,4 +36,4 @@ def test_a_hung_run_fails_with_its_stack_and_leaves_no_process() -> None:
     assert time.monotonic() - start < 30, "reading the output waited on the grandchild's pipes"
     assert "timed out after 3s" in message and "started" in message
     assert "stuck_in_a_named_place" in message, message[-2000:]  # faulthandler's dump on SIGABRT
-    assert carrying(mark) == [], "a process outlived the timed-out run"
+    assert carrying("MARK", mark) == [], "a process outlived the timed-out run"

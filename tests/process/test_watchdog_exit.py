@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
+from elastic_train.testing.processes import carrying
 from tests.helpers import run
-from tests.process.test_harness import carrying
 
 STUCK_LOADER = """
 import os, time
@@ -40,4 +40,4 @@ def test_a_hung_rank_s_exit_ends_its_stuck_loader_worker_too() -> None:
     assert done.returncode == 124, done.output  # ExitCode.HUNG
     assert "hang_detected" in done.output and "in __next__" in done.stderr  # the stack dump: in the loader
     # The worker holds the output pipes: had it survived, ``run`` would still be reading them.
-    assert not done.leftovers and carrying(mark) == [], "the loader worker outlived its rank"
+    assert not done.leftovers and carrying("MARK", mark) == [], "the loader worker outlived its rank"
