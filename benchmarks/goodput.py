@@ -134,7 +134,7 @@ def final_state(base: Path) -> tuple[list[tuple[int, str]], dict[str, Any]]:
 
     done = load((base / "ckpt" / "latest").resolve())
     digests = [(int(r["samples_seen"]), str(r["sample_digest"])) for r in done.payload.app["history"]]
-    return digests, {k: v for k, v in done.tensors.items() if k.startswith("model.")}
+    return digests, done.whole("model.")
 
 
 def max_abs_diff(a: dict[str, Any], b: dict[str, Any]) -> float:

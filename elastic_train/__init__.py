@@ -41,6 +41,10 @@ _EXPORTS: dict[str, str] = {
     "choose_placement": "elastic_train.distributed.process_group",
     "process_group": "elastic_train.distributed.process_group",
     "ControlPlane": "elastic_train.distributed.process_group",
+    "shard_model": "elastic_train.distributed.fsdp",
+    "mesh_for": "elastic_train.distributed.fsdp",
+    "default_blocks": "elastic_train.distributed.fsdp",
+    "reshard_all": "elastic_train.distributed.fsdp",
     # data
     "GlobalBatchSampler": "elastic_train.data.sampler",
     "EvalBatchSampler": "elastic_train.data.sampler",
@@ -121,6 +125,10 @@ if TYPE_CHECKING:  # what type checkers see: the same names, eagerly (`as` marks
     from elastic_train.data.sampler import EvalBatchSampler as EvalBatchSampler
     from elastic_train.data.sampler import GlobalBatchSampler as GlobalBatchSampler
     from elastic_train.distributed.env import DistEnv as DistEnv
+    from elastic_train.distributed.fsdp import default_blocks as default_blocks
+    from elastic_train.distributed.fsdp import mesh_for as mesh_for
+    from elastic_train.distributed.fsdp import reshard_all as reshard_all
+    from elastic_train.distributed.fsdp import shard_model as shard_model
     from elastic_train.distributed.process_group import ControlPlane as ControlPlane
     from elastic_train.distributed.process_group import Placement as Placement
     from elastic_train.distributed.process_group import choose_placement as choose_placement

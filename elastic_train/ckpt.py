@@ -138,14 +138,18 @@ def cmd_inspect(path: Path) -> int:
     print(f"versions     {', '.join(f'{k} {v}' for k, v in sorted(m.versions.items()))}")
     print(f"fingerprint  {', '.join(f'{k}={v}' for k, v in sorted(m.fingerprint.items()))}")
     groups: dict[str, int] = {}
-    for key in m.tensors:
+    for key in [*m.tensors, *m.sharded]:
         group = key.split(".")[0]
         groups[group] = groups.get(group, 0) + 1
-    print(f"tensors      {len(m.tensors)} ({', '.join(f'{g}: {n}' for g, n in sorted(groups.items()))})")
+    pieces = sum(len(entry.pieces) for entry in m.sharded.values())
+    sharded = f"; {len(m.sharded)} of them sharded, in {pieces} pieces" if m.sharded else ""
+    by_group = ", ".join(f"{g}: {n}" for g, n in sorted(groups.items()))
+    print(f"tensors      {len(m.tensors) + len(m.sharded)} ({by_group}{sharded})")
     total = sum(e.size for e in m.files.values())
     print(f"bytes        {total}")
     for name, entry in sorted(m.files.items()):
         count = sum(1 for f in m.tensors.values() if f == name)
+        count += sum(1 for entry in m.sharded.values() for p in entry.pieces if p.file == name)
         print(f"  {name}  {entry.size} bytes, {count} tensors, sha256 {entry.sha256[:16]}...")
     return ExitCode.OK
 
@@ -162,7 +166,8 @@ def cmd_export(path: Path, output: Path) -> int:
     except CheckpointInvalid as exc:
         print(f"INVALID  {exc}", file=sys.stderr)
         return ExitCode.CHECKPOINT_INVALID
-    weights = {k[len(MODEL) :]: v.contiguous() for k, v in loaded.tensors.items() if k.startswith(MODEL)}
+    # Pieces of a sharded (FSDP) checkpoint are assembled: one consolidated file.
+    weights = {k[len(MODEL) :]: v.contiguous() for k, v in loaded.whole(MODEL).items()}
     fp = loaded.manifest.fingerprint
     metadata = {"source": str(folder), "step": str(loaded.manifest.step)}
     metadata.update({k: str(v) for k, v in fp.items()})

@@ -42,6 +42,7 @@ from elastic_train.config import (
     FT_MODES,
     MODEL_CHOICES,
     OPTIMIZERS,
+    PARALLEL_MODES,
     TORCHVISION_PREFIX,
     TrainConfig,
     is_model_name,
@@ -172,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ours.add_argument("--weight-decay", type=float, default=d.weight_decay)
     ours.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    ours.add_argument(
+        "--parallel",
+        choices=PARALLEL_MODES,
+        default=d.parallel,
+        help="ddp: every process holds the whole model (the default); fsdp: FSDP2 shards parameters, gradients "
+        "and optimizer state over the processes (a model too big for one device), per block plus the root, "
+        "and checkpoints are saved in pieces that any world size can load (--ft restart only)",
+    )
     ft = p.add_argument_group("fault tolerance")
     ft.add_argument(
         "--ft",

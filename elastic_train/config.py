@@ -25,6 +25,7 @@ OPTIMIZERS = ("adamw", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("auto", "bf16", "fp16")
 FT_MODES = ("restart", "quorum")  # docs/fault-tolerance.md, "Which mode when"
+PARALLEL_MODES = ("ddp", "fsdp")  # replicated weights, or FSDP2-sharded ones (docs/api.md)
 DATASETS_NEEDING_DIR = ("tiny-imagenet", "imagefolder")
 # --best-metric: the epoch metrics (``metrics.EpochRecord``) a checkpoint can be kept as one of the
 # best for, and which way is better. The one table: the flag's choices, its validation and
@@ -115,6 +116,10 @@ class TrainConfig:
     # Fault tolerance: restart (torchrun's: a failure restarts every worker from the checkpoint)
     # or quorum (survivors keep training; elastic_train.quorum, launched by its own agent).
     ft: str = "restart"
+    # How a model's state lies over the processes: ddp (replicated on each) or fsdp (FSDP2:
+    # parameters, gradients and optimizer state sharded; checkpoints saved in pieces). Not
+    # fingerprinted: a checkpoint of either resumes in either, at any world size.
+    parallel: str = "ddp"
     lighthouse: str | None = None  # quorum: the Lighthouse's http://host:port (TORCHFT_LIGHTHOUSE)
     # quorum: how long a step's collective waits for a silent peer (a frozen node costs this); a
     # dead peer's closed socket fails it at once. Raise it when step times vary by more.
@@ -136,6 +141,17 @@ class TrainConfig:
         self._check_choice("--device", self.device, DEVICES)
         self._check_choice("--amp-dtype", self.amp_dtype, AMP_DTYPES)
         self._check_choice("--ft", self.ft, FT_MODES)
+        self._check_choice("--parallel", self.parallel, PARALLEL_MODES)
+        if self.parallel == "fsdp" and self.ft == "quorum":
+            raise UsageError(
+                "--parallel fsdp runs in --ft restart only: a quorum replica is one process, nothing to shard over",
+                "use --ft restart with --parallel fsdp, or --parallel ddp with --ft quorum",
+            )
+        if self.parallel == "fsdp" and self.amp and self.amp_dtype == "fp16":
+            raise UsageError(
+                "--amp-dtype fp16 with --parallel fsdp: FSDP's mixed precision here is bf16 (no loss scaling)",
+                "use --amp-dtype bf16 (or auto) with --parallel fsdp",
+            )
         if not self.peer_timeout > 0:
             raise UsageError(f"--peer-timeout {self.peer_timeout} must be > 0", "pass seconds, e.g. 2")
         if self.batch_size < 1:

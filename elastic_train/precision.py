@@ -25,6 +25,9 @@ class Precision:
     device_type: str
     dtype: torch.dtype | None  # None: full precision
     scaler: torch.amp.GradScaler
+    # Under FSDP2 the mixed-precision policy casts the gathered parameters to ``dtype`` (and
+    # reduces gradients in float32): autocast is then off, as torchtitan runs it.
+    by_policy: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -37,7 +40,7 @@ class Precision:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
     def autocast(self) -> AbstractContextManager[None]:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled and not self.by_policy)
 
 
 def choose_precision(amp: bool, device: torch.device, dtype: str = "auto") -> Precision:

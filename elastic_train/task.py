@@ -139,6 +139,10 @@ class Task:
     # DDP's setting for a model whose loss does not use every parameter at every step (a
     # branch taken by some batches only): slower, so off unless the task says so.
     find_unused_parameters: bool = False
+    # Under --parallel fsdp: the modules that become FSDP2 units of their own (each gathered just
+    # before its forward and freed after), given the built model; the root is always one. None:
+    # the model's repeated layers (``distributed.fsdp.default_blocks``).
+    fsdp_blocks: Callable[[nn.Module], Sequence[nn.Module]] | None = None
     # What early stop watches, and which way is better: "val_acc" (the seed's, with
     # --target-accuracy), "val_loss", "train_loss", "train_acc" or "val_<name>" of ``metrics``;
     # ``target``: stop once reached (None: --target-accuracy for val_acc, else patience only).

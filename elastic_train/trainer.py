@@ -16,10 +16,11 @@ everything it does (examples/char_lm.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -29,6 +30,7 @@ import structlog
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import default_collate
 
 from elastic_train.boundary import Decision, FinalCheckpointFailed, StepBoundary
 from elastic_train.checkpoint.manager import Loaded
@@ -199,12 +201,22 @@ class Trainer:
         if init is not None:
             init(module)  # every rank the same weights, before DDP's broadcast and the extra state
         self.module = module
-        self.model = DistributedDataParallel(
-            module,
-            device_ids=[self.device.index] if placement.is_cuda else None,
-            gradient_as_bucket_view=True,
-            find_unused_parameters=task.find_unused_parameters,
-        )
+        self.precision: Precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
+        self.model: nn.Module
+        if cfg.parallel == "fsdp":
+            from elastic_train.distributed.fsdp import mesh_for, shard_model  # DTensor: only when used
+
+            blocks = task.fsdp_blocks(module) if task.fsdp_blocks is not None else None
+            # In place: ``module`` is the sharded root, called directly (no wrapper).
+            self.model = shard_model(module, mesh_for(self.device, env.world_size), blocks, self.precision.dtype)
+            self.precision = dataclasses.replace(self.precision, by_policy=True)
+        else:
+            self.model = DistributedDataParallel(
+                module,
+                device_ids=[self.device.index] if placement.is_cuda else None,
+                gradient_as_bucket_view=True,
+                find_unused_parameters=task.find_unused_parameters,
+            )
         # After DDP's broadcast of rank 0's weights: extra state derived from them (an EMA copy)
         # starts equal on every rank.
         self.extra: ExtraState | None = task.extra_state(module) if task.extra_state is not None else None
@@ -218,7 +230,6 @@ class Trainer:
             if task.scheduler is not None
             else build_schedule(cfg, self.optimizer, self.total_steps)
         )
-        self.precision: Precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
         self.stopper = EarlyStopper(
             task.early_stop_target(cfg.target_accuracy), cfg.patience, monitor=task.monitor, mode=task.mode
         )
@@ -314,7 +325,7 @@ class Trainer:
         parts = list(zip(torch.split(x, micro), torch.split(y, micro), strict=True))
         outputs, loss_sum = [], torch.zeros((), device=self.device)
         for i, (xs, ys) in enumerate(parts):
-            sync = contextlib.nullcontext() if i == len(parts) - 1 else self.model.no_sync()
+            sync = contextlib.nullcontext() if i == len(parts) - 1 else self._no_sync()
             with sync:
                 out, loss = self._forward(xs, ys)
                 scale = weight * ys.shape[0] / n
@@ -322,6 +333,20 @@ class Trainer:
             outputs.append(out.detach())
             loss_sum += loss.detach().float() * ys.shape[0]
         return torch.cat(outputs), loss_sum / n
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        """Accumulate this micro-batch's gradients locally: DDP's ``no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)`` (the last micro-batch reduces the sum)."""
+        if isinstance(self.model, DistributedDataParallel):
+            with self.model.no_sync():
+                yield
+            return
+        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def _after_step(self, sums: MetricSums, elapsed: float) -> None:
         """The step boundary (``boundary.StepBoundary``): stop, commit and save decisions."""
@@ -378,6 +403,7 @@ class Trainer:
             device=self.device,
             scheduler=self.scheduler,
             scaler=self.precision.scaler,
+            extra_like=self.extra.state_dict() if self.extra is not None else None,
         )
         restore_extra(self.extra, done.extra, self.task, loaded.folder)
         if self.task.scheduler is None:
@@ -417,6 +443,10 @@ class Trainer:
         sums = MetricSums(self.device)
         names = sorted(self.task.metrics)
         extra = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        # Under FSDP every forward gathers parameters (a collective): each rank runs as many
+        # forwards as the longest shard, the missing ones on a batch whose results are dropped.
+        fills = self._fill_forwards() if self.cfg.parallel == "fsdp" else 0
+        x = None
         for *batch, indices in self.val_loader:
             if self.watchdog is not None:
                 self.watchdog.beat(self.state.step, "evaluate")
@@ -429,12 +459,26 @@ class Trainer:
             sums.add_indices(indices)
             for i, name in enumerate(names):
                 extra[i] += self.task.metrics[name](outputs, y).detach().to(torch.float64)
+        for _ in range(fills):
+            if x is None:  # this rank's shard is empty: any input of the right form
+                x, _y = self.task.to_device(default_collate([self.data.val[0]]), self.device)
+            with self.precision.autocast():
+                self.module(x)
+        if self.cfg.parallel == "fsdp":
+            from elastic_train.distributed.fsdp import reshard_all
+
+            reshard_all(self.module)
         totals = sums.reduce()
         if not names:
             return totals, {}
         reduced = all_reduce_sum(extra).cpu().tolist()
         per_sample = [value / totals.samples if totals.samples else float("nan") for value in reduced]
         return totals, dict(zip(names, per_sample, strict=True))
+
+    def _fill_forwards(self) -> int:
+        """How many forwards this rank runs beyond its validation shard (see ``evaluate``)."""
+        mine = len(self.val_loader)
+        return int(all_reduce_max(float(mine), self.device)) - mine
 
     def _record(self, epoch: int, train: Totals, val: Totals, elapsed: float, extra: dict[str, float]) -> EpochRecord:
         return EpochRecord(
@@ -463,6 +507,7 @@ class Trainer:
             f"({params / 1e6:.2f}M params), dataset: {self.data.describe()}, "
             f"global batch: {cfg.batch_size}, per-process batch: {self.sampler.per_process_batch}, "
             f"precision: {self.precision.name}"
+            + (f", parallel: FSDP2 over {env.world_size} processes" if cfg.parallel == "fsdp" else "")
         )
         log.info("run_config", **file_only(config=cfg.to_json(), params=params))
 

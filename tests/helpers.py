@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from elastic_train.checkpoint.format import latest_target
 from elastic_train.testing.processes import (
@@ -202,13 +201,13 @@ def dirs(base: Path) -> list[str]:
 
 
 def final_state(base: Path) -> dict[str, torch.Tensor]:
-    """Model and optimizer tensors of the newest checkpoint, whoever wrote them."""
+    """Model and optimizer tensors of the newest checkpoint, whoever wrote them (the pieces of
+    a sharded one assembled whole)."""
+    from elastic_train.checkpoint.manager import load
+
     folder = latest_target(base / "ckpt")
     assert folder is not None
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("shard-*.safetensors")):
-        tensors.update(load_file(shard))
-    return {k: v for k, v in tensors.items() if k.startswith(("model.", "optim."))}
+    return {k: v for k, v in load(folder).whole().items() if k.startswith(("model.", "optim."))}
 
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -229,12 +228,11 @@ def state_hash(checkpoints: Path, prefixes: tuple[str, ...] = ("model.",)) -> st
     import hashlib
 
     import torch
-    from safetensors.torch import load_file
+
+    from elastic_train.checkpoint.manager import load
 
     folder = (checkpoints / "latest").resolve()
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("shard-*.safetensors")):
-        tensors.update({k: v for k, v in load_file(shard).items() if k.startswith(prefixes)})
+    tensors = {k: v for k, v in load(folder).whole().items() if k.startswith(prefixes)}
     assert tensors, f"no tensors under {prefixes} in {folder}"
     digest = hashlib.sha256()
     for name in sorted(tensors):
@@ -275,10 +273,10 @@ SUMMARY_STATS = ("sum", "abs_sum", "sum_sq")
 
 def state_summary(checkpoints: Path, prefixes: tuple[str, ...] = ("model.",)) -> Summary:
     """The ``latest`` checkpoint's tensors under ``prefixes``, summarised by ``Summary``'s rule."""
+    from elastic_train.checkpoint.manager import load
+
     folder = (checkpoints / "latest").resolve()
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("shard-*.safetensors")):
-        tensors.update({k: v for k, v in load_file(shard).items() if k.startswith(prefixes)})
+    tensors = {k: v for k, v in load(folder).whole().items() if k.startswith(prefixes)}
     assert tensors, f"no tensors under {prefixes} in {folder}"
     summary: Summary = {}
     for name in sorted(tensors):

@@ -28,3 +28,15 @@ def local_box(tensor: torch.Tensor) -> Box:
 
 def global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in tensor.shape)  # a DTensor's shape is the global one
+
+
+def writes_piece(tensor: torch.Tensor) -> bool:
+    """Whether this rank saves its piece: on a mesh dimension where the tensor is replicated
+    (HSDP's replica dimension) only coordinate 0 writes, so that the saved pieces cover the
+    tensor exactly once. A plain tensor: always (the caller decides who writes whole tensors)."""
+    if not isinstance(tensor, DTensor):
+        return True
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return False
+    return all(c == 0 for c, p in zip(coordinate, tensor.placements, strict=True) if p.is_replicate())

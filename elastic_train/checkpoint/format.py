@@ -31,14 +31,16 @@ import structlog
 import xxhash
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
+from elastic_train.checkpoint.shard_plan import Box, covers_exactly_once
 from elastic_train.errors import UsageError
 
 FORMAT = "elastic-train-checkpoint"
-# 2: `timeline` and `parent`; 3: the typed `payload` replaces the free-form `trainer` dict.
-VERSION = 3
+# 2: `timeline` and `parent`; 3: the typed `payload` replaces the free-form `trainer` dict;
+# 4: `sharded`, tensors saved as pieces by the ranks that hold them (FSDP2).
+VERSION = 4
 # A version-1 manifest reads as timeline "" (unknown), parent ""; versions 1 and 2 have their
 # `trainer` dict converted to a `Payload` (``payload_from_trainer_dict``).
-READABLE = (1, 2, 3)
+READABLE = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d{8})(?:-v([2-9]|[1-9]\d+))?$")
@@ -253,6 +255,30 @@ def payload_from_trainer_dict(trainer: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+@dataclass(frozen=True)
+class PieceEntry:
+    """One saved piece of a sharded tensor: the box it holds, in ``file`` under the tensor's key."""
+
+    file: str
+    offsets: list[int]
+    lengths: list[int]
+
+
+@dataclass(frozen=True)
+class ShardedEntry:
+    """A tensor saved in pieces (format 4): its global shape and dtype (safetensors' name, e.g.
+    ``F32``) and every non-empty piece. The pieces cover the tensor exactly once (checked at the
+    commit and at every load: ``shard_plan.covers_exactly_once``)."""
+
+    shape: list[int]
+    dtype: str
+    pieces: list[PieceEntry]
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ShardedEntry:
+        return cls(list(raw["shape"]), str(raw["dtype"]), [PieceEntry(**p) for p in raw["pieces"]])
+
+
 @dataclass
 class Manifest:
     """Everything that is not a tensor, plus the index of the tensors and files."""
@@ -277,6 +303,9 @@ class Manifest:
     # (a fork). Two checkpoints of one step are the same only on the same timeline.
     timeline: str = ""
     parent: str = ""  # the checkpoint folder the writing run resumed from ("" for a fresh start)
+    # Format 4: tensors saved in pieces (FSDP2 parameters and optimizer state), by key. A key is
+    # in ``tensors`` (whole, in one file) or here, never in both. Empty for a DDP run.
+    sharded: dict[str, ShardedEntry] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -310,6 +339,7 @@ class Manifest:
             if raw["version"] < 3:
                 raw["payload"] = payload_from_trainer_dict(raw.pop("trainer"))
             raw["payload"] = Payload.from_json(raw["payload"])
+            raw["sharded"] = {key: ShardedEntry.from_json(entry) for key, entry in raw.get("sharded", {}).items()}
             return cls(**raw)
         except (TypeError, KeyError, AttributeError) as exc:
             raise CheckpointInvalid(f"{source}: malformed manifest ({exc})") from None
@@ -403,9 +433,28 @@ def verify(folder: Path, sha256: bool = False) -> Manifest:
     for name, entry in manifest.files.items():
         check_entry(folder / name, entry, sha256)
     missing = {f for f in manifest.tensors.values() if f not in manifest.files}
+    missing |= {p.file for entry in manifest.sharded.values() for p in entry.pieces if p.file not in manifest.files}
     if missing:
         raise CheckpointInvalid(f"{folder / MANIFEST}: tensors point at unlisted files {sorted(missing)}")
+    check_sharded(manifest, folder / MANIFEST)
     return manifest
+
+
+def check_sharded(manifest: Manifest, source: Path) -> None:
+    """Raise ``CheckpointInvalid`` unless each sharded tensor's pieces cover it exactly once and
+    no key is both whole and sharded: a manifest that promises a tensor must deliver all of it."""
+    both = sorted(set(manifest.sharded) & set(manifest.tensors))
+    if both:
+        raise CheckpointInvalid(f"{source}: {both[0]} is listed both whole and in pieces")
+    for key, entry in manifest.sharded.items():
+        try:
+            boxes = [Box(tuple(p.offsets), tuple(p.lengths)) for p in entry.pieces]
+        except ValueError as exc:
+            raise CheckpointInvalid(f"{source}: {key}: {exc}") from None
+        if not covers_exactly_once(entry.shape, boxes):
+            raise CheckpointInvalid(
+                f"{source}: the saved pieces of {key} do not cover its shape {entry.shape} exactly once"
+            )
 
 
 def step_folders(root: Path) -> list[Path]:

@@ -49,7 +49,7 @@ def read_init_weights(path: Path) -> dict[str, torch.Tensor]:
                 f"--init-from {path}: {folder} is not a valid checkpoint ({exc})",
                 "pass a step folder or a checkpoint directory with a `latest`, or a .safetensors file",
             ) from None
-        return {k[len(MODEL) :]: v for k, v in loaded.tensors.items() if k.startswith(MODEL)}
+        return {k[len(MODEL) :]: v for k, v in loaded.whole(MODEL).items()}
     raise UsageError(f"--init-from {path} does not exist", "pass a .safetensors file or a checkpoint folder")
 
 

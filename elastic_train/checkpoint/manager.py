@@ -56,7 +56,10 @@ from elastic_train.checkpoint.format import (
     FileEntry,
     Manifest,
     Payload,
+    PieceEntry,
+    ShardedEntry,
     check_json,
+    check_sharded,
     checkpoint_key,
     has_manifest,
     latest_target,
@@ -68,6 +71,8 @@ from elastic_train.checkpoint.format import (
     versions_of,
 )
 from elastic_train.checkpoint.lock import CheckpointLock, lock_ttl
+from elastic_train.checkpoint.reshard import placed
+from elastic_train.checkpoint.shard_plan import Box
 from elastic_train.checkpoint.snapshot import Position, Snapshot
 from elastic_train.checkpoint.state import assign_shards, nbytes, rank_key
 from elastic_train.checkpoint.storage import (
@@ -79,7 +84,7 @@ from elastic_train.checkpoint.storage import (
     repair_latest,
     write_atomic,
 )
-from elastic_train.checkpoint.tensor_io import read_shards, write_shard
+from elastic_train.checkpoint.tensor_io import DTYPE_NAMES, read_shards, write_shard
 from elastic_train.config import BEST_METRICS, DATA_KEY, TASK_IGNORES
 from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import UsageError
@@ -139,8 +144,10 @@ class ShardResult:
     rank: int
     file: str = ""
     entry: FileEntry | None = None
-    keys: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # whole tensors in ``file``
     error: str = ""
+    # Pieces of sharded tensors in ``file``: key -> ``Box.to_json()`` (plain values on the wire).
+    pieces: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,6 +168,19 @@ class Loaded:
     @property
     def world_size(self) -> int:
         return self.manifest.world_size
+
+    def saved_keys(self) -> list[str]:
+        """Every saved tensor's key, whole or in pieces."""
+        return sorted({*self.tensors, *self.manifest.sharded})
+
+    def tensor(self, key: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        """Saved tensor ``key``, placed like ``like`` (``reshard.placed``): whole, or this rank's
+        box of it as a DTensor when ``like`` is one."""
+        return placed(self.folder, self.manifest, self.tensors, key, like)
+
+    def whole(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Every saved tensor under ``prefix``, whole (pieces assembled; for exports)."""
+        return {key: self.tensor(key) for key in self.saved_keys() if key.startswith(prefix)}
 
 
 @dataclass(frozen=True)
@@ -313,11 +333,14 @@ class Checkpointer:
             return False if sync else None
         folder = self.cfg.root / target.folder
         if sync:
-            future = self._pool.submit(self._write_shard, folder, snap.step, self._select(snap, copy=False))
+            future = self._pool.submit(
+                self._write_shard, folder, snap.step, self._select(snap, copy=False), _pieces_written(snap)
+            )
         else:
             self._staged = threading.Event()
             ready = None
-            device = next((t.device for t in snap.replicated.values() if t.is_cuda), None)
+            held = [*snap.replicated.values(), *(piece.tensor for piece in snap.sharded.values())]
+            device = next((t.device for t in held if t.is_cuda), None)
             if device is not None:
                 # The copies must see the state as of now, after the compute queued on this
                 # rank's device; the event is recorded on that device's current stream.
@@ -445,7 +468,7 @@ class Checkpointer:
             return ShardResult(self.env.rank, error=f"staging failed: {type(exc).__name__}: {exc}")
         finally:
             staged.set()
-        return self._write_shard(folder, snap.step, mine)
+        return self._write_shard(folder, snap.step, mine, _pieces_written(snap))
 
     def _select(self, snap: Snapshot, copy: bool) -> dict[str, torch.Tensor]:
         """This rank's tensors on the CPU. An async save copies them now (training changes the
@@ -454,6 +477,8 @@ class Checkpointer:
         owner = assign_shards(sizes, self.env.world_size, pinned=dict.fromkeys(snap.from_rank0, 0))
         mine = {k: v for k, v in snap.replicated.items() if owner[k] == self.env.rank}
         mine.update({rank_key(self.env.rank, k): v for k, v in snap.per_rank.items()})
+        # Sharded tensors: this rank's own piece, under the tensor's key (one piece per file).
+        mine.update({k: piece.tensor for k, piece in snap.sharded.items() if piece.writes})
         if not copy:
             return {k: v.detach().to("cpu").contiguous() for k, v in mine.items()}
         staged = {k: self._stage(k, v.detach()) for k, v in mine.items()}
@@ -467,7 +492,9 @@ class Checkpointer:
         buf.copy_(value, non_blocking=value.is_cuda)
         return buf
 
-    def _write_shard(self, folder: Path, step: int, tensors: dict[str, torch.Tensor]) -> ShardResult:
+    def _write_shard(
+        self, folder: Path, step: int, tensors: dict[str, torch.Tensor], pieces: dict[str, Box]
+    ) -> ShardResult:
         """Background thread: serialise, write, fsync, rename. Never a collective."""
         rank = self.env.rank
         name = shard_name(rank, self.env.world_size)
@@ -479,7 +506,8 @@ class Checkpointer:
                 folder / name, tensors, meta, before_rename=lambda: self._hook("before_rename", step, folder / name)
             )
             self._hook("after_shard", step, folder / name)
-            return ShardResult(rank, name, entry, sorted(tensors))
+            whole = sorted(k for k in tensors if k not in pieces)
+            return ShardResult(rank, name, entry, whole, pieces={k: box.to_json() for k, box in pieces.items()})
         except Exception as exc:  # reported to every rank at the commit, never raised here
             return ShardResult(rank, name, error=f"{type(exc).__name__}: {exc}")
 
@@ -619,8 +647,10 @@ class Checkpointer:
             finished=pos.finished,
             timeline=self.timeline,
             parent=parent,
+            sharded=_sharded_entries(snap, results),
         )
         try:
+            check_sharded(manifest, folder / MANIFEST)  # a commit never promises what it lacks
             write_atomic(folder / MANIFEST, manifest.to_json().encode())
             self._hook("after_manifest", snap.step, folder / MANIFEST)
             point_latest(self.cfg.root, folder)
@@ -865,10 +895,31 @@ def check_compatible(folder: Path, manifest: Manifest, fingerprint: dict[str, An
         raise UsageError(f"checkpoint {folder} is incompatible with this run ({'; '.join(diffs)})", hint)
 
 
+def _pieces_written(snap: Snapshot) -> dict[str, Box]:
+    return {key: piece.box for key, piece in snap.sharded.items() if piece.writes}
+
+
+def _sharded_entries(snap: Snapshot, results: list[ShardResult]) -> dict[str, ShardedEntry]:
+    """Rank 0: the manifest's index of the sharded tensors, from every rank's written pieces
+    (the global shape and dtype are rank 0's own: every rank holds the same tensors)."""
+    entries = {}
+    for key, mine in snap.sharded.items():
+        pieces = [
+            PieceEntry(r.file, box["offsets"], box["lengths"])
+            for r in sorted(results, key=lambda r: r.rank)
+            for k, box in r.pieces.items()
+            if k == key
+        ]
+        entries[key] = ShardedEntry(list(mine.shape), DTYPE_NAMES[mine.tensor.dtype], pieces)
+    return entries
+
+
 def load(folder: Path) -> Loaded:
-    """Read every shard of ``folder``, each verified; raises ``CheckpointInvalid``."""
+    """Read ``folder``'s whole tensors, every file verified; raises ``CheckpointInvalid``.
+    Sharded tensors (format 4) stay on disk: ``Loaded.tensor`` reads the box a rank needs."""
     manifest = read_manifest(folder)
-    tensors = read_shards(folder, manifest.files)
+    check_sharded(manifest, folder / MANIFEST)
+    tensors = read_shards(folder, manifest.files, skip=frozenset(manifest.sharded))
     missing = sorted(set(manifest.tensors) - set(tensors))
     if missing:
         raise CheckpointInvalid(f"{folder}: tensors listed in the manifest are missing: {missing[:3]}")

@@ -8,6 +8,7 @@ a loop's state into a ``Snapshot`` (tensors by stable flat keys, the JSON rest t
 What a snapshot holds, by key family (``checkpoint.state``):
 
 * ``model.*`` and ``optim.state.*``: replicated under DDP, each written once by one rank;
+  sharded under FSDP2 (DTensors), each rank writing its own piece (``Snapshot.sharded``);
 * ``extra.*``: the loop's own replicated tensors (e.g. an EMA copy of the weights);
 * ``rank.<r>.*``: this rank's alone: RNG streams and the loop's per-rank tensors (partial
   metric sums). They are restored only at the same world size; at another size a loop reads
@@ -32,8 +33,11 @@ import torch
 from torch import nn
 
 from elastic_train.checkpoint.format import Payload, check_json
+from elastic_train.checkpoint.reshard import is_dtensor
+from elastic_train.checkpoint.shard_plan import Box
 from elastic_train.checkpoint.state import (
     MODEL,
+    OPTIM,
     capture_rng,
     flatten,
     load_state_dicts,
@@ -69,6 +73,36 @@ class Position:
         return self.step, self.epoch, self.batch_in_epoch, self.finished
 
 
+@dataclass(frozen=True)
+class LocalPiece:
+    """This rank's piece of a sharded tensor (a DTensor's local part) and where it lies in the
+    global tensor. ``writes``: False on a rank whose piece another rank already saves (a
+    replicated mesh dimension's coordinates other than 0) or whose piece is empty."""
+
+    tensor: torch.Tensor  # the local part itself, not a copy (see the module doc)
+    box: Box
+    shape: tuple[int, ...]  # the global shape
+    writes: bool
+
+
+def _split_sharded(tensors: dict[str, torch.Tensor]) -> dict[str, LocalPiece]:
+    """Move the DTensors out of ``tensors``, as this rank's pieces."""
+    keys = [key for key, value in tensors.items() if is_dtensor(value)]
+    if not keys:
+        return {}
+    from elastic_train.checkpoint.dtensor_boxes import local_box, writes_piece
+
+    pieces = {}
+    for key in keys:
+        value = tensors.pop(key)
+        if any(p.is_partial() for p in value.placements):  # type: ignore[attr-defined]
+            raise ValueError(f"capture(): {key} is a partial sum (placement Partial), not a state to save")
+        box = local_box(value)
+        local = value.to_local()  # type: ignore[attr-defined]
+        pieces[key] = LocalPiece(local, box, tuple(value.shape), writes_piece(value) and not box.empty)
+    return pieces
+
+
 @dataclass
 class Snapshot:
     """What one rank hands to ``Checkpointer.save`` at a step boundary (see the module doc)."""
@@ -81,6 +115,9 @@ class Snapshot:
     # Keys of ``replicated`` whose authoritative copy is rank 0's (module buffers: see
     # ``state.assign_shards``); rank 0 writes them whatever the balance.
     from_rank0: frozenset[str] = frozenset()
+    # Sharded tensors (FSDP2's DTensors): this rank's piece of each, by key. Every rank writes
+    # its own piece; the manifest records each piece's box (format 4).
+    sharded: dict[str, LocalPiece] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -136,6 +173,7 @@ def capture(
     # event that an async save's copy waits for.
     for name, value in (extra or {}).items():
         replicated[EXTRA + name] = value.detach().clone()
+    sharded = _split_sharded(replicated)
     rank_state = capture_rng(device)  # fresh tensors already
     for name, value in (per_rank or {}).items():
         if name.startswith("rng."):
@@ -165,6 +203,7 @@ def capture(
         payload=payload,
         config=copy.deepcopy(dict(config or {})),
         from_rank0=buffers,
+        sharded=sharded,
     )
 
 
@@ -189,6 +228,10 @@ class _Loaded(Protocol):
     @property
     def tensors(self) -> dict[str, torch.Tensor]: ...
 
+    def saved_keys(self) -> list[str]: ...
+
+    def tensor(self, key: str, like: torch.Tensor | None = None) -> torch.Tensor: ...
+
     @property
     def position(self) -> Position: ...
 
@@ -209,11 +252,17 @@ def restore(
     device: torch.device,
     scheduler: _StateDict | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    extra_like: Mapping[str, torch.Tensor] | None = None,
 ) -> Restored:
     """Put a loaded checkpoint back: model (strict), optimizer (by parameter name), scheduler,
-    scaler and, at the same world size, this rank's RNG streams. Returns the rest."""
+    scaler and, at the same world size, this rank's RNG streams. Returns the rest.
+
+    Each model and optimizer tensor is placed as ``model`` holds it (``reshard.placed``): whole
+    for a plain module, this rank's box for an FSDP2 one, whichever way it was saved and at any
+    world size. ``extra_like``: the loop's current extra tensors, so that sharded ones come back
+    as this rank's pieces too (else every extra tensor comes back whole)."""
     payload = loaded.payload
-    model_sd, optim_sd = unflatten(loaded.tensors, payload.optimizer)
+    model_sd, optim_sd = unflatten(_placed_state(loaded, model), payload.optimizer)
     load_state_dicts(model, optimizer, model_sd, optim_sd)
     if scheduler is not None and payload.scheduler is not None:
         scheduler.load_state_dict(payload.scheduler)
@@ -226,5 +275,26 @@ def restore(
         {k: v for k, v in rank_items(loaded.tensors, r).items() if not k.startswith("rng.")}
         for r in range(loaded.world_size)
     ]
-    extra = {k[len(EXTRA) :]: v for k, v in loaded.tensors.items() if k.startswith(EXTRA)}
+    likes = extra_like or {}
+    names = [key[len(EXTRA) :] for key in loaded.saved_keys() if key.startswith(EXTRA)]
+    extra = {name: loaded.tensor(EXTRA + name, likes.get(name)) for name in names}
     return Restored(loaded.position, payload, extra, loaded.world_size, old_ranks, same)
+
+
+def _placed_state(loaded: _Loaded, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The saved model and optimizer tensors, each placed like its counterpart in ``model``:
+    a model key like the module's state, an optimizer key like its parameter (moments have the
+    parameter's shape; a scalar such as Adam's ``step`` comes back whole)."""
+    state = model.state_dict()
+    params = dict(model.named_parameters())
+    out = {}
+    for key in loaded.saved_keys():
+        like: torch.Tensor | None = None
+        if key.startswith(MODEL):
+            like = state.get(key[len(MODEL) :])
+        elif key.startswith(OPTIM):
+            like = params.get(key[len(OPTIM) :].rpartition(".")[0])
+        else:
+            continue
+        out[key] = loaded.tensor(key, like)
+    return out

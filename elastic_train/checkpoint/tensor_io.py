@@ -97,11 +97,16 @@ def write_shard(
     return out.entry()
 
 
-def _load_file(path: Path) -> dict[str, torch.Tensor]:
-    """``safetensors.torch.load_file``, whose OSErrors carry the errno only in their text
-    ("... (os error 5)"): given it back, so that a transient one is retried like any read."""
+def _load_file(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The tensors of one file but those in ``skip`` (pieces of sharded tensors, read later by
+    box: safetensors maps the file and copies only what is asked for). safetensors' OSErrors
+    carry the errno only in their text ("... (os error 5)"): given it back, so that a transient
+    one is retried like any read."""
     try:
-        return safetensors.torch.load_file(str(path))
+        if not skip:
+            return safetensors.torch.load_file(str(path))
+        with safetensors.safe_open(str(path), framework="pt") as handle:
+            return {key: handle.get_tensor(key) for key in handle.keys() if key not in skip}  # noqa: SIM118
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -111,9 +116,12 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
         raise
 
 
-def read_shards(folder: Path, files: dict[str, FileEntry]) -> dict[str, torch.Tensor]:
-    """Every tensor of ``folder``'s shards, each file verified (size, xxh3) in parallel. A
-    storage error is retried (``read_retrying``), then raised as ``CheckpointUnreadable``."""
+def read_shards(
+    folder: Path, files: dict[str, FileEntry], skip: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``folder``'s shards but the keys in ``skip``, each file verified (size,
+    xxh3) in parallel, read or not. A storage error is retried (``read_retrying``), then raised
+    as ``CheckpointUnreadable``."""
     tensors: dict[str, torch.Tensor] = {}
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
         checks = [pool.submit(check_entry, folder / name, entry) for name, entry in files.items()]
@@ -121,7 +129,7 @@ def read_shards(folder: Path, files: dict[str, FileEntry]) -> dict[str, torch.Te
             for name in files:
                 path = folder / name
                 try:
-                    tensors.update(read_retrying(path, partial(_load_file, path)))
+                    tensors.update(read_retrying(path, partial(_load_file, path, skip)))
                 except FileNotFoundError:
                     raise CheckpointInvalid(f"{path} is missing") from None
                 except CheckpointInvalid:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -61,3 +61,12 @@ def shard_model(
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered parameter: after a forward without backward (evaluation) the root
+    keeps its parameters gathered, and its ``named_parameters`` would then be the gathered
+    plain tensors, not the sharded ones the optimizer and a checkpoint hold."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

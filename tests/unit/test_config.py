@@ -45,6 +45,9 @@ def test_the_seeds_flags_parse_with_the_seeds_meaning() -> None:
         (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
         (["--num-workers", "-2"], "--num-workers -2"),
         (["--model", "gpt"], "invalid choice"),
+        (["--parallel", "tp"], "invalid choice"),
+        (["--parallel", "fsdp", "--ft", "quorum"], "--parallel fsdp runs in --ft restart only"),
+        (["--parallel", "fsdp", "--amp", "--amp-dtype", "fp16"], "--amp-dtype fp16 with --parallel fsdp"),
         (["--dataset", "cifar"], "invalid choice"),
         (["--optimizer", "lion"], "invalid choice"),
         (["--dataset", "tiny-imagenet"], "needs --data-dir"),
@@ -87,6 +90,7 @@ def test_the_fingerprint_holds_the_data_order_settings_and_the_dataset_identity(
     assert fp["batch_size"] == 64 and fp["seed"] == 7 and fp["model"] == "vit"
     assert fp["data.train_samples"] == 10 and fp["data.train_content"] == "10 files, sha256 ab"
     assert "base_lr" not in fp and "epochs" not in fp, "a resume may change them"
+    assert "parallel" not in fp, "a DDP checkpoint resumes under FSDP and back"
 
 
 def test_changes_since_lists_only_settings_a_resume_may_change() -> None:

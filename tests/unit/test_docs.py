@@ -72,6 +72,10 @@ COVERED_BY.update(
         r"torchrun --standalone --nproc_per_node=2 -m elastic_train --task examples\.lm_task:task "
         r"--epochs 2 --max-steps-per-epoch 5 --target-accuracy 1\.0": EXAMPLES
         + "test_the_readme_examples_run_verbatim",
+        # "Sharded models": the reference run of the FSDP tests, word for word.
+        r"torchrun --standalone --nproc_per_node=2 -m elastic_train --run-dir runs/fsdp --parallel fsdp "
+        r"--batch-size 32 --epochs 2 --max-steps-per-epoch 6": "tests/launch/test_fsdp_torchrun.py::"
+        "test_a_worker_killed_mid_epoch_under_elastic_torchrun_resumes_its_shards_bitwise",
         r"torchrun --nnodes=1:2 --nproc-per-node=2 --max-restarts=3 --rdzv-backend=c10d "
         r"--rdzv-endpoint=localhost:29400 --rdzv-id=charlm --rdzv-conf=last_call_timeout=5 examples/char_lm\.py "
         r"--checkpoint-dir checkpoints/charlm": (

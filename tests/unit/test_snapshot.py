@@ -1,4 +1,4 @@
-"""capture/restore (the checkpointer's public front) and the typed payload of format version 3."""
+"""capture/restore (the checkpointer's public front) and the typed payload of format versions 3 and 4."""
 
 from __future__ import annotations
 
@@ -165,7 +165,9 @@ def test_another_world_size_restores_weights_but_not_rng_streams(world_of_one: N
     assert all(torch.equal(a, b) for a, b in pairs)
 
 
-def test_the_manifest_is_format_version_3_with_a_typed_payload(world_of_one: None, tmp_path: Path) -> None:
+def test_the_manifest_is_format_4_with_a_typed_payload_and_no_pieces_for_ddp_state(
+    world_of_one: None, tmp_path: Path
+) -> None:
     model = net()
     opt, sched = trained(model, 1)
     ck = et.Checkpointer(et.CheckpointConfig(root=tmp_path), et.DistEnv(), FINGERPRINT)
@@ -173,7 +175,8 @@ def test_the_manifest_is_format_version_3_with_a_typed_payload(world_of_one: Non
     ck.save(et.capture(et.Position(1), model, opt, device=CPU, scheduler=sched), sync=True)
     ck.close()
     raw = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())
-    assert VERSION == 3 and raw["version"] == 3 and "trainer" not in raw
+    assert VERSION == 4 and raw["version"] == 4 and "trainer" not in raw
+    assert raw["sharded"] == {} and raw["tensors"]  # a replicated (DDP) state is saved whole
     assert set(raw["payload"]) == {"optimizer", "scheduler", "scaler", "accounting", "app"}
     manifest = read_manifest(tmp_path / "step-00000001")
     assert isinstance(manifest.payload, Payload) and manifest.payload.scheduler == sched.state_dict()
@@ -218,9 +221,16 @@ def test_a_version_2_manifest_reads_into_the_typed_payload() -> None:
     assert json.loads(manifest.to_json())["payload"] == asdict(manifest.payload)
 
 
+def test_a_version_3_manifest_reads_with_no_sharded_tensors() -> None:
+    raw = {**_v2_manifest(), "version": 3, "payload": asdict(Payload())}
+    del raw["trainer"]
+    manifest = Manifest.from_json(json.dumps(raw), Path("step-00000004/manifest.json"))
+    assert manifest.version == 3 and manifest.sharded == {}
+
+
 def test_a_newer_format_version_is_refused_naming_both_versions() -> None:
-    raw = {**_v2_manifest(), "version": 4}
-    with pytest.raises(CheckpointTooNew, match=r"format version 4 \(this build reads 1, 2, 3\).*Fix: upgrade"):
+    raw = {**_v2_manifest(), "version": 5}
+    with pytest.raises(CheckpointTooNew, match=r"format version 5 \(this build reads 1, 2, 3, 4\).*Fix: upgrade"):
         Manifest.from_json(json.dumps(raw), Path("m.json"))
     with pytest.raises(CheckpointInvalid, match="format version 0") as err:
         Manifest.from_json(json.dumps({**raw, "version": 0}), Path("m.json"))
@@ -236,7 +246,7 @@ def test_a_newer_builds_checkpoint_stops_the_run_and_is_never_set_aside(world_of
         ck.save(et.capture(et.Position(step), model, opt, device=CPU), sync=True)
     ck.close()
     newest = tmp_path / "step-00000002" / "manifest.json"
-    newest.write_text(newest.read_text().replace('"version": 3', '"version": 4'))
+    newest.write_text(newest.read_text().replace('"version": 4', '"version": 5'))
     ck = et.Checkpointer(et.CheckpointConfig(root=tmp_path), et.DistEnv(), FINGERPRINT)
     ck.start()
     try:
