@@ -7,6 +7,9 @@
 * ``inspect DIR``: step, epoch, world size, versions, tensors and bytes per file.
 * ``export DIR -o model.safetensors``: the model weights alone, consolidated into one file with
   plain parameter names, for inference (``model.load_state_dict(load_file(...))``).
+* ``export DIR --format dcp -o FOLDER``: the model and optimizer tensors as a stock
+  ``torch.distributed.checkpoint`` folder (``{"model": {fqn: t}, "optim": {"state": {fqn: {name: t}}}}``),
+  which ``dcp.load`` reads at any world size, into FSDP or plain modules.
 
 A checkpoint directory argument may also be given where a step folder is expected: its
 ``latest`` is used. A run folder (``--run-dir``) stands for its ``checkpoints``; ``list`` and
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -180,6 +184,35 @@ def cmd_export(path: Path, output: Path) -> int:
     return ExitCode.OK
 
 
+def cmd_export_dcp(path: Path, output: Path) -> int:
+    """The checkpoint's model and optimizer tensors, whole, as a stock DCP folder (one process:
+    the host needs memory for the whole model and optimizer state while it writes)."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from elastic_train.checkpoint.manager import load
+    from elastic_train.checkpoint.state import MODEL, OPTIM
+
+    if output.exists():
+        print(f"error: {output} exists; export into a new folder (nothing was overwritten)", file=sys.stderr)
+        return ExitCode.USAGE
+    folder = _step_folder(path)
+    try:
+        loaded = load(folder)
+        model = {k[len(MODEL) :]: v for k, v in loaded.whole(MODEL).items()}
+        state: dict[str, dict[str, object]] = {}
+        for key, value in loaded.whole(OPTIM).items():
+            fqn, _, name = key[len(OPTIM) :].rpartition(".")
+            state.setdefault(fqn, {})[name] = value
+    except CheckpointInvalid as exc:
+        print(f"INVALID  {exc}", file=sys.stderr)
+        return ExitCode.CHECKPOINT_INVALID
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp_save({"model": model, "optim": {"state": state}}, checkpoint_id=str(output), no_dist=True)
+    print(f"wrote {output}: {len(model)} model tensors, optimizer state of {len(state)} parameters, from {folder}")
+    return ExitCode.OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m elastic_train.ckpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,7 +220,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_parser(name).add_argument("dir", type=Path)
     export = sub.add_parser("export")
     export.add_argument("dir", type=Path)
-    export.add_argument("-o", "--output", type=Path, default=Path("model.safetensors"))
+    export.add_argument("-o", "--output", type=Path, default=None, help="default: model.safetensors, or model.dcp/")
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "dcp"),
+        default="safetensors",
+        help="safetensors: the weights in one file (inference, Hugging Face); dcp: model and optimizer state as "
+        "a torch.distributed.checkpoint folder (dcp.load at any world size)",
+    )
     args = parser.parse_args(argv)
     if not args.dir.exists():
         print(f"error: {args.dir} does not exist", file=sys.stderr)
@@ -206,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.USAGE
     if args.command == "inspect":
         return cmd_inspect(one)
-    return cmd_export(one, args.output)
+    if args.format == "dcp":
+        return cmd_export_dcp(one, args.output or Path("model.dcp"))
+    return cmd_export(one, args.output or Path("model.safetensors"))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ In one group of 3 ranks:
 
 Then the same checkpoint is read at other world sizes, whole values exact: into one plain
 module (FSDP -> DDP), and into FSDP at 2 ranks, which also reads a whole (DDP) checkpoint of
-the same state (DDP -> FSDP).
+the same state (DDP -> FSDP). Its ``ckpt export --format dcp`` folder is read by stock
+``torch.distributed.checkpoint.load`` at 1 and 2 ranks.
 """
 
 from __future__ import annotations
@@ -176,8 +177,11 @@ def check_sharded_checkpoint(
         assert torch.equal(got.to_local(), want.to_local())
 
 
-def reshard_worker(rank: int, world: int, init_file: str, out: str, sharded_root: str, whole_root: str) -> None:
-    """At 2 ranks: the 3-rank sharded checkpoint and a whole (DDP) one of the same state."""
+def reshard_worker(
+    rank: int, world: int, init_file: str, out: str, sharded_root: str, whole_root: str, exported: str
+) -> None:
+    """At 2 ranks: the 3-rank sharded checkpoint, a whole (DDP) one of the same state, and the
+    DCP export read by stock ``dcp.load`` into the sharded model."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -190,6 +194,12 @@ def reshard_worker(rank: int, world: int, init_file: str, out: str, sharded_root
             got = full_state(model, optimizer)
             assert got.keys() == want.keys()
             assert all(torch.equal(got[k], want[k]) for k in want), root
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        model, _ = sharded_vit(world)
+        state = {"model": model.state_dict()}
+        dcp_load(state, checkpoint_id=exported)  # into the DTensors, in place
+        assert all(torch.equal(v.full_tensor(), want[f"model.{k}"]) for k, v in model.state_dict().items())
     finally:
         dist.destroy_process_group()
 
@@ -228,8 +238,21 @@ def test_fsdp2_at_three_ranks_trains_like_one_process_and_its_checkpoint_reshard
         torch.equal(optimizer.state[p]["momentum_buffer"], sharded[f"momentum.{k}"])
         for k, p in plain.named_parameters()
     )
+    # Exported for stock DCP, read back in this one process.
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from elastic_train.ckpt import main as ckpt
+
+    exported = tmp_path / "exported.dcp"
+    assert ckpt(["export", str(sharded_root), "--format", "dcp", "-o", str(exported)]) == 0
+    assert ckpt(["export", str(sharded_root), "--format", "dcp", "-o", str(exported)]) == 2  # never overwritten
+    torch.manual_seed(1)
+    stock = build_model("vit", CLASSES, SIZE)
+    state = {"model": stock.state_dict()}
+    dcp_load(state, checkpoint_id=str(exported), no_dist=True)
+    assert all(torch.equal(v, weights[k]) for k, v in stock.named_parameters())
     # The same state saved whole (as a DDP run would), for the 2-rank reader.
     ck = checkpointer(str(whole_root), 0, 1)
     ck.save(capture(Position(2), plain, optimizer, device=torch.device("cpu")), sync=True)
     ck.close()
-    spawn_ranks(reshard_worker, 2, (str(out), str(sharded_root), str(whole_root)), timeout=200)
+    spawn_ranks(reshard_worker, 2, (str(out), str(sharded_root), str(whole_root), str(exported)), timeout=200)
