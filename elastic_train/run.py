@@ -17,15 +17,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from elastic_train import __version__
 from elastic_train.boundary import DirectoryLost, FinalCheckpointFailed, SavePolicy, StepBoundary
 from elastic_train.checkpoint.init_from import apply_init_weights, read_init_weights
-from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, Loaded, should_manage_checkpoints
-from elastic_train.config import TASK_IGNORES, TrainConfig
+from elastic_train.checkpoint.manager import Checkpointer, Loaded, should_manage_checkpoints
+from elastic_train.config import TrainConfig
 from elastic_train.data import open_task_data
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.identity import resolve_job
 from elastic_train.distributed.process_group import ControlPlane, Placement, choose_placement, process_group
 from elastic_train.errors import UsageError, report_usage_error
 from elastic_train.faults import CheckpointFaults, FaultInjector
-from elastic_train.image_classification import image_task
 from elastic_train.logs import Console, attach_rank_log, configure_logging
 from elastic_train.outcome import (
     ENDS_LAUNCH,
@@ -44,8 +43,12 @@ from elastic_train.resilience.orphan import ParentWatch
 from elastic_train.resilience.peer_progress import job_store
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopGrace, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.run_parts import checkpoint_config as checkpoint_config
+from elastic_train.run_parts import choose_task as choose_task
+from elastic_train.run_parts import ignored_by as ignored_by
+from elastic_train.run_parts import run_fingerprint as run_fingerprint
 from elastic_train.startup import StartupClock
-from elastic_train.task import Task, build_task
+from elastic_train.task import Task
 from elastic_train.trainer import Trainer
 
 log = structlog.get_logger(__name__)
@@ -75,41 +78,6 @@ def _tune_cuda(placement: Placement, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = True
     if placement.is_cuda:
         torch.set_float32_matmul_precision("high")
-
-
-def checkpoint_config(cfg: TrainConfig) -> CheckpointConfig:
-    return CheckpointConfig(
-        root=cfg.checkpoint_dir,
-        keep_last=cfg.keep_last,
-        resume=cfg.resume,
-        hang_timeout=cfg.hang_timeout,
-        keep_best=cfg.keep_best,
-        best_metric=cfg.best_metric,
-    )
-
-
-def choose_task(cfg: TrainConfig) -> Task:
-    """``--task`` (a plug-in) or the built-in image classification of ``--model``/``--dataset``."""
-    return build_task(cfg.task, cfg) if cfg.task is not None else image_task(cfg)
-
-
-def run_fingerprint(cfg: TrainConfig, task: Task, identity: dict[str, object], builtin: bool) -> dict[str, object]:
-    """What a resumed run must share with its checkpoint: the settings, the data, the task's own
-    (and its name, unless it is the built-in image task, whose fingerprint predates tasks): the
-    same task resumes whether it came from --task or from ``train(cfg, task=...)``."""
-    own = {f"task.{key}": value for key, value in task.fingerprint.items()}
-    settings = cfg.fingerprint(identity)
-    if not builtin:
-        own["task.name"] = task.name
-        for key in ignored_by(task):  # flags the task does not use cannot refuse its resume
-            settings.pop(key, None)
-    return {**settings, **own}
-
-
-def ignored_by(task: Task) -> tuple[str, ...]:
-    """The flags a plug-in task does not use (``config.TASK_IGNORES``, and ``optimizer`` when it
-    brings its own)."""
-    return (*TASK_IGNORES, "optimizer") if task.optimizer is not None else TASK_IGNORES
 
 
 def _warn_ignored_flags(console: Console, cfg: TrainConfig, task: Task) -> None:

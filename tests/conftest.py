@@ -14,10 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from elastic_train.testing.agents import Agent
 from tests.layers import MisplacedTestFile, layer_of, wrong_layer_markers
 from tests.runtimes import StandIns, build_stand_ins, make_project
+
+# Property tests judge values, never speed (benchmarks do): no per-example deadline, which a
+# loaded 2-core CI machine (two xdist lanes beside multi-process tests) overruns at random.
+settings.register_profile("elastic-train", deadline=None)
+settings.load_profile("elastic-train")
 
 pytest_plugins = ["pytester"]  # tests/unit/test_layers.py runs pytest on a scratch tree in-process
 

@@ -36,6 +36,7 @@ from elastic_train.quorum.timeouts import phase_bounds
 from elastic_train.quorum.trainer import QuorumTrainer, Rejoin
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.run_parts import checkpoint_config, choose_task, run_fingerprint
 from elastic_train.startup import StartupClock
 from elastic_train.task import Task
 
@@ -111,8 +112,6 @@ def _run(
     config: ReplicaConfig,
     clock: StartupClock,
 ) -> int:
-    from elastic_train.run import checkpoint_config, run_fingerprint  # run imports this module
-
     cached = warm.take(cfg) if task is None else None
     if cached is not None:
         # Opened by the agent's forkserver before this worker was forked: the checks, the
@@ -120,8 +119,6 @@ def _run(
         task, ready = cached
         data = open_task_data(dataclasses.replace(task, prepare=None, data=lambda: ready), cfg, env)
     else:
-        from elastic_train.run import choose_task
-
         task = task if task is not None else choose_task(cfg)
         data = open_task_data(task, cfg, env)
     clock.mark("data")

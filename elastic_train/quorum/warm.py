@@ -36,8 +36,8 @@ def _open() -> None:
     try:
         import torch
 
-        from elastic_train.cli import parse_config
-        from elastic_train.run import choose_task
+        from elastic_train.flags import parse_config
+        from elastic_train.run_parts import choose_task
 
         cfg = parse_config(json.loads(raw))
         task = choose_task(cfg)
