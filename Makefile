@@ -40,7 +40,8 @@ bench: $(STAMP)
 
 ## On a machine with NVIDIA GPUs (< 5 minutes): NCCL, bf16/fp16 AMP, async checkpoint of CUDA
 ## tensors, deterministic kill+resume, throughput vs the bare DDP loop; with 2+ GPUs also 2 processes
-## (rank 1 saving from cuda:1, kill+resume under NCCL). Prints a pass/fail/skipped table; no GPU:
+## (rank 1 saving from cuda:1, kill+resume under NCCL; FSDP2 with the bf16 policy: kill+resume
+## bitwise and a reshard 2 -> 1). Prints a pass/fail/skipped table; no GPU:
 ## every check "skipped: no GPU", exit 0 (the last line says nothing was checked).
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

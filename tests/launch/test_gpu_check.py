@@ -32,14 +32,14 @@ def _smoke(*checks: str) -> None:
 
 
 def test_the_gpu_check_script_passes_its_one_and_two_process_checks_in_its_cpu_smoke_mode() -> None:
-    # One run of the script for all four (each run starts torch and a bf16 probe first).
+    # One run of the script for all five (each run starts torch and a bf16 probe first).
     # kill-resume at world 1: tests/launch/test_checkpoint_torchrun.py; nccl-bf16-2gpu's code is
     # nccl-bf16's at world 2.
-    _smoke("nccl-bf16", "async-save", "async-save-2gpu", "kill-resume-2gpu")
+    _smoke("nccl-bf16", "async-save", "async-save-2gpu", "kill-resume-2gpu", "fsdp-2gpu")
 
 
 def test_without_a_gpu_the_gpu_check_reports_every_check_skipped_and_exits_0() -> None:
     done = run([sys.executable, SCRIPT], timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.output
-    assert done.stdout.splitlines()[-1] == "gpu-check skipped: no GPU (8 of 8 checks skipped: nothing was checked)"
-    assert done.stdout.count("| skipped | 0.0 | skipped: no GPU |") == 8, done.stdout
+    assert done.stdout.splitlines()[-1] == "gpu-check skipped: no GPU (9 of 9 checks skipped: nothing was checked)"
+    assert done.stdout.count("| skipped | 0.0 | skipped: no GPU |") == 9, done.stdout

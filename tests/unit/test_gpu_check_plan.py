@@ -39,7 +39,7 @@ def _stub_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
 
 def test_there_are_two_gpu_checks_for_what_a_world_of_one_cannot_show() -> None:
     assert ONE_GPU == ["nccl-bf16", "nccl-fp16", "async-save", "kill-resume", "throughput"]
-    assert TWO_GPU == ["nccl-bf16-2gpu", "async-save-2gpu", "kill-resume-2gpu"]
+    assert TWO_GPU == ["nccl-bf16-2gpu", "async-save-2gpu", "kill-resume-2gpu", "fsdp-2gpu"]
 
 
 def test_with_no_gpu_every_check_is_skipped_and_the_last_line_says_nothing_was_checked(
@@ -51,7 +51,7 @@ def test_with_no_gpu_every_check_is_skipped_and_the_last_line_says_nothing_was_c
     assert code == 0 and ran == []
     for name in ONE_GPU + TWO_GPU:
         assert f"| {name} | skipped | 0.0 | skipped: no GPU |" in out, out
-    assert out.splitlines()[-1] == "gpu-check skipped: no GPU (8 of 8 checks skipped: nothing was checked)"
+    assert out.splitlines()[-1] == "gpu-check skipped: no GPU (9 of 9 checks skipped: nothing was checked)"
     rows = json.loads((tmp_path / "out.json").read_text())
     assert {r["result"] for r in rows} == {"skipped"}
 
@@ -66,7 +66,7 @@ def test_with_one_gpu_the_one_gpu_checks_run_and_the_two_gpu_checks_say_why_they
     assert [(w.work.name, w.device, w.processes) for w in ran] == [(name, "cuda", 1) for name in ONE_GPU]
     for name in TWO_GPU:
         assert f"| {name} | skipped | 0.0 | skipped: needs 2 GPUs, 1 visible |" in out, out
-    assert out.splitlines()[-1] == "gpu-check: 5 passed, 0 failed, 3 skipped"
+    assert out.splitlines()[-1] == "gpu-check: 5 passed, 0 failed, 4 skipped"
 
 
 def test_with_two_or_more_gpus_the_two_gpu_checks_run_two_processes(
@@ -75,7 +75,7 @@ def test_with_two_or_more_gpus_the_two_gpu_checks_run_two_processes(
     _stub_gpus(monkeypatch, 4)
     assert gpu_check.main([]) == 0
     assert [(w.work.name, w.processes) for w in ran] == [(s.name, s.processes) for s in CHECKS]
-    assert capsys.readouterr().out.splitlines()[-1] == "gpu-check: 8 passed, 0 failed, 0 skipped"
+    assert capsys.readouterr().out.splitlines()[-1] == "gpu-check: 9 passed, 0 failed, 0 skipped"
 
 
 def test_the_cpu_smoke_mode_skips_nothing_and_needs_no_gpu(
