@@ -145,6 +145,34 @@ class EpochRecord:
     step: int  # global optimizer steps completed at the end of the epoch
     val_metrics: dict[str, float] = field(default_factory=dict)  # a task's extra metrics, per val sample
 
+    @classmethod
+    def of(
+        cls,
+        epoch: int,
+        world_size: int,
+        train: Totals,
+        val: Totals,
+        elapsed: float,
+        step: int,
+        val_metrics: dict[str, float],
+    ) -> EpochRecord:
+        """The record of 0-based ``epoch`` from its exact sums (both fault-tolerance modes)."""
+        return cls(
+            epoch=epoch + 1,
+            world_size=world_size,
+            train_loss=train.loss,
+            train_acc=train.accuracy,
+            val_loss=val.loss,
+            val_acc=val.accuracy,
+            epoch_time=elapsed,
+            throughput=train.samples / elapsed if elapsed > 0 else 0.0,
+            samples_seen=train.samples,
+            sample_digest=train.digest,
+            val_samples=val.samples,
+            step=step,
+            val_metrics=val_metrics,
+        )
+
     def console_line(self, epochs: int, unit: str = "img", accuracy: bool = True) -> str:
         """The seed's epoch line, same fields and number formats (``unit``: what a sample is;
         ``accuracy`` False: a task without one, its two fields left out)."""

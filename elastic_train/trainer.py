@@ -156,6 +156,32 @@ class Summary:
     productive_time: float = 0.0  # training time of every epoch of the run, each step once
     samples_are: str = "images"
 
+    @classmethod
+    def of(
+        cls,
+        history: list[dict[str, Any]],
+        wall: float,
+        processes: int,
+        is_cuda: bool,
+        stopped_early: bool,
+        samples_are: str,
+    ) -> Summary:
+        """From the run's epoch records (``EpochRecord.to_json``), in either mode: throughput is
+        the samples of every epoch over their training time, each step counted once."""
+        train_time = sum(float(r["epoch_time"]) for r in history)
+        samples = sum(int(r["samples_seen"]) for r in history)
+        return cls(
+            total_time=wall,
+            throughput=samples / train_time if train_time > 0 else 0.0,
+            gpus=processes if is_cuda else 0,
+            processes=processes,
+            epochs_run=len(history),
+            stopped_early=stopped_early,
+            final_val_acc=float(history[-1]["val_acc"]) if history else math.nan,
+            productive_time=train_time,
+            samples_are=samples_are,
+        )
+
     def console_lines(self) -> list[str]:
         return [
             "Training Summary:",
@@ -481,21 +507,7 @@ class Trainer:
         return int(all_reduce_max(float(mine), self.device)) - mine
 
     def _record(self, epoch: int, train: Totals, val: Totals, elapsed: float, extra: dict[str, float]) -> EpochRecord:
-        return EpochRecord(
-            epoch=epoch + 1,
-            world_size=self.env.world_size,
-            train_loss=train.loss,
-            train_acc=train.accuracy,
-            val_loss=val.loss,
-            val_acc=val.accuracy,
-            epoch_time=elapsed,
-            throughput=train.samples / elapsed if elapsed > 0 else 0.0,
-            samples_seen=train.samples,
-            sample_digest=train.digest,
-            val_samples=val.samples,
-            step=self.state.step,
-            val_metrics=extra,
-        )
+        return EpochRecord.of(epoch, self.env.world_size, train, val, elapsed, self.state.step, extra)
 
     def announce(self) -> None:
         cfg, env = self.cfg, self.env
@@ -538,19 +550,9 @@ class Trainer:
         return self._summary(time.perf_counter() - wall_start, stopped_early)
 
     def _summary(self, wall: float, stopped_early: bool) -> Summary:
-        history = self.state.history
-        train_time = sum(r.epoch_time for r in history)
-        images = sum(r.samples_seen for r in history)
-        return Summary(
-            total_time=wall,
-            throughput=images / train_time if train_time > 0 else 0.0,
-            gpus=self.env.world_size if self.placement.is_cuda else 0,
-            processes=self.env.world_size,
-            epochs_run=len(history),
-            stopped_early=stopped_early,
-            final_val_acc=history[-1].val_acc if history else float("nan"),
-            productive_time=train_time,
-            samples_are=self.task.samples_are,
+        history = [r.to_json() for r in self.state.history]
+        return Summary.of(
+            history, wall, self.env.world_size, self.placement.is_cuda, stopped_early, self.task.samples_are
         )
 
     def close(self) -> None:

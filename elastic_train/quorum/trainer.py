@@ -803,21 +803,7 @@ class QuorumTrainer:
         extra = {
             name: float(stats[STATS + i]) / val.samples if val.samples else math.nan for i, name in enumerate(names)
         }
-        record = EpochRecord(
-            epoch=p.epoch + 1,
-            world_size=world,
-            train_loss=train.loss,
-            train_acc=train.accuracy,
-            val_loss=val.loss,
-            val_acc=val.accuracy,
-            epoch_time=p.elapsed,
-            throughput=train.samples / p.elapsed if p.elapsed > 0 else 0.0,
-            samples_seen=train.samples,
-            sample_digest=train.digest,
-            val_samples=val.samples,
-            step=self.train_step,
-            val_metrics=extra,
-        )
+        record = EpochRecord.of(p.epoch, world, train, val, p.elapsed, self.train_step, extra)
         p.history.append(record.to_json())
         p.epoch += 1
         p.batch_in_epoch, p.sums, p.digest, p.elapsed = 0, [0.0, 0.0, 0.0], [0, 0], 0.0
@@ -912,17 +898,7 @@ class QuorumTrainer:
         return digest.hexdigest()
 
     def _summary(self, wall: float) -> Summary:
-        history = self.progress.history
-        train_time = sum(float(r["epoch_time"]) for r in history)
-        samples = sum(int(r["samples_seen"]) for r in history)
-        return Summary(
-            total_time=wall,
-            throughput=samples / train_time if train_time > 0 else 0.0,
-            gpus=self.groups if self.placement.is_cuda else 0,
-            processes=self.groups,
-            epochs_run=len(history),
-            stopped_early=bool(self.stopper.reason),
-            final_val_acc=float(history[-1]["val_acc"]) if history else math.nan,
-            productive_time=train_time,
-            samples_are=self.task.samples_are,
+        stopped = bool(self.stopper.reason)
+        return Summary.of(
+            self.progress.history, wall, self.groups, self.placement.is_cuda, stopped, self.task.samples_are
         )
