@@ -30,6 +30,8 @@ FULL = {
     # 95% interval is narrower than the 3% it must resolve is reported either way.
     "overhead": ["--repeats", "21", "--epochs", "4", "--steps", "12"],
     "checkpoint": ["--repeats", "5", "--mb", "1152", "--saves", "5", "--every", "12"],  # a 1.2 GB state
+    # 6 interleaved rounds a measure (the fewest with a 95% interval of the median): ~12 minutes.
+    "fsdp": ["--rounds", "6", "--steps", "8", "--save-mb", "384", "--memory-mb", "1152"],
     # Recovery times only: goodput under failures is goodput.py's, for every mode alike.
     "recovery": ["--repeats", "3", "--soak", "0", "--launcher", "torchrun"],
     "recovery-warm": ["--repeats", "3", "--soak", "0", "--launcher", "warm"],
@@ -41,6 +43,7 @@ FULL = {
 QUICK = {
     "overhead": ["--repeats", "1", "--epochs", "2", "--steps", "6"],
     "checkpoint": ["--repeats", "1", "--mb", "40", "--saves", "1", "--every", "8"],
+    "fsdp": ["--quick"],
     "recovery": ["--repeats", "1", "--soak", "0", "--launcher", "torchrun"],
     "recovery-warm": ["--repeats", "1", "--soak", "0", "--launcher", "warm"],
     "goodput": ["--soaks", "1", "--mtbf", "10", "--epochs", "2", "--node-loss-repeats", "1"],
@@ -232,6 +235,124 @@ What stands behind the numbers:
 - {load_note(c)}"""
 
 
+def _rounds_cells(x: dict[str, Any]) -> tuple[str, str]:
+    """The spread (min, max) of a measure's paired ratios and the 95% interval of their median."""
+    low, high = x["spread"]
+    interval = x.get("interval")
+    shown = f"[{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "none (< 6 rounds)"
+    return f"{low:.3f} to {high:.3f}", shown
+
+
+def fsdp_section(f: dict[str, Any] | None) -> str:
+    """The FSDP2 section, from fsdp.py's JSON: throughput, sharded save and load against stock
+    ``torch.distributed.checkpoint``, and the peak host memory of a sharded save."""
+    title = "## FSDP2: `benchmarks/fsdp.py`"
+    if not f:
+        return f"{title}\n\nNot run yet: `python benchmarks/fsdp.py --json benchmarks/results/fsdp.json`."
+    t, sv, ld, m = f["throughput"], f["save"], f["load"], f["memory"]
+    mib = 2**20
+
+    def measure(name: str, ours: str, base: str, x: dict[str, Any], target: str) -> str:
+        spread, interval = _rounds_cells(x)
+        return row(name, ours, base, f"**{x['ratio']:.3f}**", spread, interval, target, verdict(bool(x["met"])))
+
+    rows = [
+        measure(
+            "training throughput, `Trainer` / bare FSDP2 loop",
+            f"{t['ours_img_s']:.1f} img/s",
+            f"{t['bare_img_s']:.1f} img/s",
+            t,
+            ">= 0.97",
+        ),
+        measure(
+            f"save bandwidth ({sv['state_bytes'] / 1e6:.0f} MB state), ours / `dcp.save`",
+            f"{sv['ours_mb_s']:.0f} MB/s",
+            f"{sv['dcp_mb_s']:.0f} MB/s",
+            sv,
+            ">= 1.0",
+        ),
+    ]
+    for cache in ("cold", "warm"):
+        x = ld[cache]
+        rows.append(
+            measure(
+                f"load time, {cache} page cache, ours / DCP",
+                f"{x['ours_s']:.3f} s",
+                f"{x['dcp_s']:.3f} s",
+                x,
+                "<= 1.0",
+            )
+        )
+    for mode in ("sync", "async"):
+        x = m[mode]
+        rows.append(
+            measure(
+                f"peak host memory rise per rank, {mode} save of {m['state_bytes'] / 1e9:.2f} GB, "
+                "/ (state / ranks + 16 MiB)",
+                f"{x['rise_bytes'] / mib:.0f} MiB",
+                f"{m['bound_bytes'] / mib:.0f} MiB bound",
+                x,
+                "<= 1.0",
+            )
+        )
+    cold, warm = ld["cold"], ld["warm"]
+    measures = {
+        "throughput": t,
+        "save bandwidth": sv,
+        "cold load": cold,
+        "warm load": warm,
+        "sync-save memory": m["sync"],
+        "async-save memory": m["async"],
+    }
+    open_ = [
+        f"{name} [{x['interval'][0]:.3f}, {x['interval'][1]:.3f}]"
+        for name, x in measures.items()
+        if x.get("interval") and x["interval"][0] <= x["target"] <= x["interval"][1]
+    ]
+    resolved = (
+        "Every 95% interval lies on one side of its target: each verdict holds at that confidence."
+        if not open_
+        else "These 95% intervals contain their target, so their verdicts are not resolved at that confidence "
+        f"(the run-to-run noise is larger than the distance to the target): {'; '.join(open_)}."
+    )
+    if not any(x.get("interval") for x in measures.values()):
+        resolved = "Too few rounds for 95% intervals: no verdict here is resolved."
+    label = " QUICK sizes: a pipeline check, not figures to quote." if f.get("quick") else ""
+    where = f" Measured on {f['machine']}." if f.get("machine") else ""
+    return f"""{title}
+
+FSDP2 (`--parallel fsdp`) at {f["ranks"]} gloo ranks on the CPU, each figure against stock PyTorch
+measured in the same run: {f["rounds"]} rounds a measure, ours and the baseline alternating in
+order from round to round; the ratio is the median of the paired ratios, with their spread and
+the 95% distribution-free interval of that median (order statistics, binomial coverage; none
+below 6 rounds).{where}{label}
+
+| measure | elastic-train | stock PyTorch | ratio | spread | 95% interval | target | |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+{chr(10).join(rows)}
+
+{resolved}
+
+How each was measured, and what stands behind it:
+
+- Throughput: {t["method"]}. Per round, elastic-train / bare: {", ".join(f"{x:.3f}" for x in t["ratios"])}.
+- Save: {sv["method"]}. On disk: ours {sv["ours_disk_bytes"] / 1e6:.0f} MB, DCP
+  {sv["dcp_disk_bytes"] / 1e6:.0f} MB. Ours computes two checksums over every byte it writes (sha256 for
+  `ckpt verify`, xxh3-128 for every load), on the same core as the write; DCP's default writer computes none.
+- Load: {ld["method"]}. DCP's `get_state_dict` of a fresh optimizer runs one optimizer step to create
+  the state it loads into ({cold["dcp_prepare_s"]:.3f} s cold, {warm["dcp_prepare_s"]:.3f} s warm): a resume
+  into a fresh optimizer needs it, so the table counts it. Against `dcp.load` + `set_state_dict` alone
+  the ratio is {cold["ratio_without_prepare"]:.3f} cold and {warm["ratio_without_prepare"]:.3f} warm
+  ({verdict(max(cold["ratio_without_prepare"], warm["ratio_without_prepare"]) <= 1.0)} against 1.0). Ours
+  also verifies every file's size and xxh3 before using it; DCP reads without a check.
+- Peak memory: {m["method"]}. A synchronous save writes each rank's pieces straight from the
+  parameters and moments (no copy); an asynchronous one first stages a CPU copy of the rank's
+  shard (`Checkpointer._stage`), which it keeps for the next save ({m["async"]["held_bytes"] / mib:.0f} MiB
+  still resident after the commit). Page-cache pages of the written files are not in a process's
+  resident set.
+- {load_note(f)}"""
+
+
 def render(results: dict[str, dict[str, Any]], quick: bool, when: str) -> str:
     o, c, r = results["overhead"], results["checkpoint"], results["recovery"]
     w = results["recovery-warm"]
@@ -281,7 +402,7 @@ noisy). This page is rewritten from their JSON results (`benchmarks/results/`) b
 make bench
 ```
 
-(`benchmarks/suite.py`, about 90 minutes on 2 cores; run it on a quiet machine); nothing below
+(`benchmarks/suite.py`, about 100 minutes on 2 cores; run it on a quiet machine); nothing below
 is typed by hand.
 
 - Written {when} from each benchmark's latest results ({label}).
@@ -290,6 +411,8 @@ is typed by hand.
 {overhead_section(o)}
 
 {checkpoint_section(c)}
+
+{fsdp_section(results.get("fsdp"))}
 
 ## Recovery: `benchmarks/recovery.py`
 
