@@ -246,6 +246,12 @@ def test_fsdp2_at_three_ranks_trains_like_one_process_and_its_checkpoint_reshard
     exported = tmp_path / "exported.dcp"
     assert ckpt(["export", str(sharded_root), "--format", "dcp", "-o", str(exported)]) == 0
     assert ckpt(["export", str(sharded_root), "--format", "dcp", "-o", str(exported)]) == 2  # never overwritten
+    # And consolidated into one safetensors file, as a Hugging Face user loads weights.
+    from safetensors.torch import load_file
+
+    assert ckpt(["export", str(sharded_root), "-o", str(tmp_path / "model.safetensors")]) == 0
+    consolidated = load_file(str(tmp_path / "model.safetensors"))
+    assert consolidated.keys() == weights.keys() and all(torch.equal(consolidated[k], weights[k]) for k in weights)
     torch.manual_seed(1)
     stock = build_model("vit", CLASSES, SIZE)
     state = {"model": stock.state_dict()}
