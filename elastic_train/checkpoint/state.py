@@ -55,7 +55,10 @@ def _param_fqns(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
     try:
         return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     except KeyError:
-        raise ValueError("the optimizer holds a parameter that is not the module's") from None
+        raise ValueError(
+            "the optimizer holds a parameter that is not the module's (under FSDP2: a forward without "
+            "backward left the parameters gathered; call reshard_all(model) before capture)"
+        ) from None
 
 
 def state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:

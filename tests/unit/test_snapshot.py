@@ -295,3 +295,8 @@ def test_a_nan_loss_in_the_loops_state_is_kept_but_a_nan_fingerprint_is_refused(
     assert loss != loss
     with pytest.raises(et.UsageError, match=r"fingerprint\.lr: nan is not a finite number"):
         et.Checkpointer(et.CheckpointConfig(root=tmp_path), et.DistEnv(), {"lr": float("nan")})
+
+
+def test_an_optimizer_of_another_modules_parameters_is_refused_naming_the_fsdp_fix() -> None:
+    with pytest.raises(ValueError, match=r"not the module's .*reshard_all\(model\) before capture"):
+        et.capture(et.Position(1), net(), torch.optim.SGD(net().parameters(), lr=0.1), device=CPU)
