@@ -105,6 +105,20 @@ def cli(args: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None
     return run([sys.executable, "-m", "elastic_train", *args], timeout, env)
 
 
+def elastic_torchrun(rdzv_id: str) -> list[str]:
+    """The mission's elastic torchrun on one node: ``--nnodes=1:2 --max-restarts=3`` over c10d."""
+    return [
+        str(BIN / "torchrun"),
+        "--nnodes=1:2",
+        "--nproc-per-node=2",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id={rdzv_id}",
+        "--rdzv-conf=last_call_timeout=1",  # one node: form the round without waiting for a second
+    ]
+
+
 def torchrun(
     torchrun_args: Sequence[str], args: Sequence[str], timeout: float = 180, env: Mapping[str, str] | None = None
 ) -> Finished:

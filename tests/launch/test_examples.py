@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BIN, ROOT, free_port, run, state_hash
+from tests.helpers import BIN, ROOT, elastic_torchrun, run, state_hash
 
 SCRIPT = str(ROOT / "examples" / "char_lm.py")
 ARGS = ["--epochs", "2", "--chars", "20000", "--checkpoint-every", "4"]
@@ -34,16 +34,7 @@ def test_the_custom_loop_survives_a_killed_worker_and_ends_bit_for_bit_equal(tmp
         timeout=120,
     )
     assert clean.returncode == 0, clean.output[-3000:]
-    elastic = [
-        str(BIN / "torchrun"),
-        "--nnodes=1:2",
-        "--nproc-per-node=2",
-        "--max-restarts=3",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--rdzv-id=char-lm",
-        "--rdzv-conf=last_call_timeout=1",  # one node: form the round without waiting for a second
-    ]
+    elastic = elastic_torchrun("char-lm")
     killed = run(
         [*elastic, SCRIPT, *ARGS, "--checkpoint-dir", str(tmp_path / "b")],
         timeout=180,

@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 
 from elastic_train.checkpoint.format import read_manifest
-from tests.helpers import BIN, ROOT, assert_bitwise_equal, epoch_metrics, final_state, free_port, read_jsonl, run
+from tests.helpers import (
+    BIN,
+    ROOT,
+    assert_bitwise_equal,
+    elastic_torchrun,
+    epoch_metrics,
+    final_state,
+    read_jsonl,
+    run,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,23 +40,6 @@ def args_of(cmd: str) -> list[str]:
     """The trainer's flags of a ``torchrun ... -m elastic_train FLAGS`` command."""
     words = shlex.split(cmd)
     return words[words.index("elastic_train") + 1 :]
-
-
-def elastic_torchrun(extra: list[str]) -> list[str]:
-    return [
-        str(BIN / "torchrun"),
-        "--nnodes=1:2",
-        "--nproc-per-node=2",
-        "--max-restarts=3",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--rdzv-id=fsdp",
-        "--rdzv-conf=last_call_timeout=1",  # one node: form the round without waiting for a second
-        "-m",
-        "elastic_train",
-        *args_of(README_FSDP),
-        *extra,
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +64,8 @@ def test_a_worker_killed_mid_epoch_under_elastic_torchrun_resumes_its_shards_bit
     tmp_path: Path, reference: Path
 ) -> None:
     base = tmp_path / "killed"
-    cmd = elastic_torchrun(["--run-dir", str(base), "--checkpoint-every", "4"])
+    cmd = [*elastic_torchrun("fsdp"), "-m", "elastic_train", *args_of(README_FSDP), "--run-dir", str(base)]
+    cmd += ["--checkpoint-every", "4"]
     done = run(cmd, timeout=240, env={"ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=10"})  # after step 8's save
     assert done.returncode == 0, done.output[-3000:]
     assert "Resumed from" in done.stdout and "step 8" in done.stdout, done.stdout
