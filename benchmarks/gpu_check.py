@@ -122,7 +122,8 @@ def _tail(done: subprocess.CompletedProcess[str]) -> str:
 
 def check_amp(where: Where, dtype: str) -> tuple[bool, str]:
     """To the target accuracy; ``quick`` (the CPU smoke run) only checks that it trains."""
-    args = ["--amp", "--amp-dtype", dtype, "--batch-size", "128"]
+    # Quick: the smallest batch that still has 16 samples a process (bf16 on a CPU is emulated, slow).
+    args = ["--amp", "--amp-dtype", dtype, "--batch-size", "32" if where.quick else "128"]
     args += ["--epochs", "1", "--max-steps-per-epoch", "4", "--image-size", "16"] if where.quick else ["--epochs", "20"]
     args += ["--target-accuracy", "1.0" if where.quick else "0.9"]
     done = _trainer(where, where.work, args)
@@ -197,22 +198,21 @@ def _async_save_probe(device: str, base: Path, quick: bool) -> int:
         faults = FaultInjector.from_environ(env.rank, base / ".faults")
         ck = Checkpointer(checkpoint_config(cfg), env, fingerprint, control.group, CheckpointFaults(faults))
         ck.start()
-        # The boundary is what makes train_step wait for the staging copies before the optimizer
-        # step; the probe starts the save itself, so nothing is due by policy.
+        # The loop's optimizer step waits for a save's staging copies (the checkpointer's guard);
+        # the probe starts the save itself, so nothing is due by the boundary's policy.
         boundary = StepBoundary(ck, control, SavePolicy(), async_save=True, is_main=env.is_main)
         trainer = Trainer(cfg, env, placement, task, data, faults, boundary)
         device_name = str(trainer.device)
-        batches = iter(trainer.train_loader)
-        for _ in range(3):
-            *batch, _indices = next(batches)
-            trainer.train_step(*task.to_device(batch, trainer.device))
-        trainer.state.step = 3
+        assert trainer.batches_per_epoch > 6, "the probe's six steps fit in its first epoch"
+        trainer.strategy.start()
+        trainer.restart_clock()
+        while trainer.state.step < 3:  # the one loop's own steps
+            trainer.advance()
         snap = trainer.snapshot()
         expected = {k: v.detach().to("cpu", copy=True) for k, v in snap.replicated.items()}
         ck.save(snap, sync=False)
-        for _ in range(3):  # training goes on while the copies and the write run
-            *batch, _indices = next(batches)
-            trainer.train_step(*task.to_device(batch, trainer.device))
+        while trainer.state.step < 6:  # training goes on while the copies and the write run
+            trainer.advance()
         committed = ck.commit_pending() if ck.pending else ck.last_committed_step == 3
         trainer.close()
         ck.close()
@@ -255,7 +255,7 @@ def check_kill_resume(where: Where, extra: Sequence[str] = ()) -> tuple[bool, st
 
     steps = "4" if where.quick else "8"
     args = [*extra, "--deterministic", "--epochs", "2", "--max-steps-per-epoch", steps, "--target-accuracy", "1.0"]
-    args += ["--patience", "0", "--checkpoint-every", "2", "--batch-size", "64"]
+    args += ["--patience", "0", "--checkpoint-every", "2", "--batch-size", "32" if where.quick else "64"]
     args += ["--image-size", "16"] if where.quick else []
     victim = where.processes - 1
     fault = {"ELASTIC_TRAIN_FAULTS": f"kill:rank={victim}:step={int(steps) + 3}"}
@@ -285,7 +285,8 @@ def check_fsdp(where: Where) -> tuple[bool, str]:
     base = where.work / "killed"
     steps = "4" if where.quick else "8"
     args = [*fsdp, "--epochs", "3", "--max-steps-per-epoch", steps, "--target-accuracy", "1.0", "--patience", "0"]
-    args += ["--batch-size", "64", "--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
+    batch = "32" if where.quick else "64"  # as check_kill_resume's run it extends
+    args += ["--batch-size", batch, "--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
     args += ["--image-size", "16"] if where.quick else []
     one = _run([*_torchrun(1), "-m", "elastic_train", "--device", where.device, *args])
     if one.returncode or "Epoch 3/3" not in one.stdout:

@@ -27,6 +27,11 @@ _EXPORTS: dict[str, str] = {
     "TrainConfig": "elastic_train.config",
     "train": "elastic_train.run",
     "Trainer": "elastic_train.trainer",
+    "StepStrategy": "elastic_train.strategy",
+    "RestartStrategy": "elastic_train.strategy",
+    "Attempt": "elastic_train.strategy",
+    "Share": "elastic_train.strategy",
+    "no_gradient_sync": "elastic_train.strategy",
     # plug-in tasks
     "Task": "elastic_train.task",
     "TaskData": "elastic_train.task",
@@ -153,6 +158,11 @@ if TYPE_CHECKING:  # what type checkers see: the same names, eagerly (`as` marks
     from elastic_train.resilience.preemption import StopKind as StopKind
     from elastic_train.resilience.watchdog import StepWatchdog as StepWatchdog
     from elastic_train.run import train as train
+    from elastic_train.strategy import Attempt as Attempt
+    from elastic_train.strategy import RestartStrategy as RestartStrategy
+    from elastic_train.strategy import Share as Share
+    from elastic_train.strategy import StepStrategy as StepStrategy
+    from elastic_train.strategy import no_gradient_sync as no_gradient_sync
     from elastic_train.task import ExtraState as ExtraState
     from elastic_train.task import Task as Task
     from elastic_train.task import TaskData as TaskData

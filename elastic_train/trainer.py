@@ -1,8 +1,13 @@
-"""The training loop: one epoch of DDP training, an exact evaluation, early stop, the summary.
+"""The training loop, one for both fault-tolerance modes: steps, an exact evaluation, early
+stop, the epoch records, checkpoint state and the summary.
 
-Readable top to bottom: ``fit`` runs epochs; ``train_epoch`` runs steps; ``evaluate`` runs the
-validation shard. Every collective (metric reductions, the early-stop broadcast) is issued by
-all ranks in the same order; nothing a single rank decides alone can gate one.
+Readable top to bottom: ``fit`` runs one step (or the epoch's evaluation round) at a time:
+the strategy (``strategy.StepStrategy``) says who takes part and which share of the global
+batch this member trains; ``train_share`` runs forward and backward; the strategy combines the
+step and commits it; ``apply_step`` applies it; ``end_epoch`` closes an epoch. Restart mode's
+strategy (``RestartStrategy``: DDP or FSDP2, every step commits) is the default; quorum mode's
+wraps torchft's Manager (``quorum.strategy``). Every collective is issued by all members in the
+same order; nothing a single member decides alone can gate one.
 
 Everything the runtime provides, the trainer takes from the library's public pieces
 (``elastic_train.__all__``): a ``Task`` says what to train, the ``GlobalBatchSampler`` what each
@@ -20,7 +25,7 @@ import dataclasses
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -29,27 +34,26 @@ import numpy as np
 import structlog
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
-from elastic_train.boundary import Decision, FinalCheckpointFailed, StepBoundary
-from elastic_train.checkpoint.manager import Loaded
-from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore
+from elastic_train.boundary import FinalCheckpointFailed, StepBoundary
+from elastic_train.checkpoint.manager import Checkpointer, Loaded
+from elastic_train.checkpoint.snapshot import Position, Restored, Snapshot, capture, restore
 from elastic_train.config import TrainConfig
-from elastic_train.data import make_loaders
+from elastic_train.data.sampler import num_global_batches, per_process_batch
 from elastic_train.distributed.env import DistEnv
-from elastic_train.distributed.process_group import Placement, all_reduce_max, all_reduce_sum
-from elastic_train.early_stop import EarlyStopper, decide_stop
+from elastic_train.distributed.process_group import Placement
+from elastic_train.early_stop import EarlyStopper
 from elastic_train.errors import UsageError
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import Console, MetricsFile, file_only
 from elastic_train.metrics import EpochRecord, MetricSums, Totals
 from elastic_train.precision import Precision, choose_precision
-from elastic_train.progress import ProgressBar
 from elastic_train.resilience.goodput import ProgressTracker
 from elastic_train.resilience.preemption import Preempted
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.step_log import StepLog
+from elastic_train.strategy import Attempt, RestartStrategy, Share, StepStrategy, no_gradient_sync
 from elastic_train.task import ExtraState, Task, TaskData
 
 log = structlog.get_logger(__name__)
@@ -106,6 +110,7 @@ class TrainState:
     step: int = 0  # global optimizer steps completed, counted across epochs
     batch_in_epoch: int = 0  # global batches of the current epoch already trained on
     history: list[EpochRecord] = field(default_factory=list)
+    finished: bool = False  # the last epoch or an early stop is behind
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,11 @@ class Summary:
 
 
 class Trainer:
+    """The one training loop, for both fault-tolerance modes: ``strategy`` says who trains which
+    share of each step, how the step is combined and whether it commits (``strategy``); the
+    loop owns the model, the optimizer, the step, evaluation, early stop, the epoch records,
+    checkpoint state and the summary."""
+
     def __init__(
         self,
         cfg: TrainConfig,
@@ -205,20 +215,33 @@ class Trainer:
         watchdog: StepWatchdog | None = None,
         tracker: ProgressTracker | None = None,
         init: Callable[[nn.Module], None] | None = None,
+        strategy: StepStrategy | None = None,
+        console: Console | None = None,
+        metrics_file: MetricsFile | None = None,
+        step_log: StepLog | None = None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
-        """``init``: applied to the freshly built model, before DDP and extra state (``--init-from``)."""
+        """``init``: applied to the freshly built model, before DDP and extra state (``--init-from``).
+        ``strategy``: restart mode's (``RestartStrategy`` over ``boundary`` and ``tracker``) when
+        not given."""
         self.cfg, self.env, self.placement, self.task, self.data = cfg, env, placement, task, data
-        self.boundary = boundary
-        self.checkpointer = boundary.checkpointer if boundary is not None else None
+        self.strategy: StepStrategy = (
+            strategy if strategy is not None else RestartStrategy(env, placement, boundary, tracker)
+        )
+        if checkpointer is None and boundary is not None:
+            checkpointer = boundary.checkpointer
+        self.checkpointer = checkpointer
         self.watchdog = watchdog
-        self.tracker = tracker
         self.device = placement.device
-        self.console = Console(env)
-        self.metrics_file = MetricsFile(cfg.log_dir, env)
-        self.step_log = StepLog(cfg.log_dir, cfg.log_every, env.is_main, cfg.batch_size)
+        self.console = console if console is not None else Console(env)
+        self.metrics_file = metrics_file if metrics_file is not None else MetricsFile(cfg.log_dir, env)
+        # The per-step curve, written by each step's first member (rank 0, participant 0).
+        self.step_log = (
+            step_log if step_log is not None else StepLog(cfg.log_dir, cfg.log_every, env.is_main, cfg.batch_size)
+        )
         self.faults = faults if faults is not None else FaultInjector([], env.rank, cfg.checkpoint_dir / ".faults")
-        self.progress = ProgressBar.for_terminal(env.is_main)
-        self.train_loader, self.sampler, self.val_loader = make_loaders(data, cfg, env, placement.is_cuda)
+        self.batches_per_epoch = num_global_batches(len(data.train), cfg.batch_size, cfg.max_steps_per_epoch)  # type: ignore[arg-type]
+        self.total_steps = cfg.epochs * self.batches_per_epoch
 
         # Same initial weights on every rank and for every world size; DDP also broadcasts
         # rank 0's. Then the seed's `seed + rank` for everything random during training.
@@ -228,21 +251,9 @@ class Trainer:
             init(module)  # every rank the same weights, before DDP's broadcast and the extra state
         self.module = module
         self.precision: Precision = choose_precision(cfg.amp, self.device, cfg.amp_dtype)
-        self.model: nn.Module
-        if cfg.parallel == "fsdp":
-            from elastic_train.distributed.fsdp import mesh_for, shard_model  # DTensor: only when used
-
-            blocks = task.fsdp_blocks(module) if task.fsdp_blocks is not None else None
-            # In place: ``module`` is the sharded root, called directly (no wrapper).
-            self.model = shard_model(module, mesh_for(self.device, env.world_size), blocks, self.precision.dtype)
+        self.model: nn.Module = self.strategy.wrap(module, self)
+        if cfg.parallel == "fsdp":  # the mixed-precision policy casts, not autocast
             self.precision = dataclasses.replace(self.precision, by_policy=True)
-        else:
-            self.model = DistributedDataParallel(
-                module,
-                device_ids=[self.device.index] if placement.is_cuda else None,
-                gradient_as_bucket_view=True,
-                find_unused_parameters=task.find_unused_parameters,
-            )
         # After DDP's broadcast of rank 0's weights: extra state derived from them (an EMA copy)
         # starts equal on every rank.
         self.extra: ExtraState | None = task.extra_state(module) if task.extra_state is not None else None
@@ -250,7 +261,6 @@ class Trainer:
         self.optimizer = task.optimizer(module) if task.optimizer is not None else build_optimizer(cfg, module)
         if self.checkpointer is not None:  # the optimizer step and any load wait for a save's copies
             self.checkpointer.guard(module, self.optimizer)
-        self.total_steps = cfg.epochs * self.sampler.batches_per_epoch
         self.scheduler = (
             task.make_scheduler(self.optimizer, self.total_steps)
             if task.scheduler is not None
@@ -260,73 +270,106 @@ class Trainer:
             task.early_stop_target(cfg.target_accuracy), cfg.patience, monitor=task.monitor, mode=task.mode
         )
         self.state = TrainState()
-        # A partly trained epoch restored from a checkpoint: its metric sums and time so far.
-        self._resumed_sums: MetricSums | None = None
-        self._stepped = False
-        self._resumed_elapsed = 0.0
+        # The epoch so far: its exact sums as this member counts them (restart mode: its rank's;
+        # quorum mode: the committed steps' global sums) and its training seconds.
+        self.sums = MetricSums(self.device)
+        self.elapsed = 0.0
+        self.stopped_early = False
+        self._clock = time.perf_counter()  # the current step's training time starts here
+        self.strategy.bind(self)
 
-    # ------------------------------------------------------------------ one step
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on this rank's share of a global batch; DDP averages the gradients.
+    # ------------------------------------------------------------------ where the run is
+    @property
+    def evaluating(self) -> bool:
+        """Every batch of the epoch is committed; its evaluation round is next."""
+        return self.state.batch_in_epoch >= self.batches_per_epoch
 
-        Shares may differ by one sample (64 over 3 ranks: 22, 21, 21), so the mean loss is
-        weighted by the share's size before DDP's average: the update is the global batch's mean
-        at any world size. The returned loss is the unweighted mean, for the metric sums.
-        """
-        scaler = self.precision.scaler
-        weight = self.sampler.loss_weight(y.shape[0])
-        micro = self.cfg.micro_batch_size
-        if micro and y.shape[0] > micro:
-            outputs, loss = self._accumulate(x, y, micro, weight)
+    @property
+    def over(self) -> bool:
+        return self.state.finished or (self.state.step >= self.total_steps and not self.evaluating)
+
+    def restart_clock(self) -> None:
+        """The next committed step's training time starts now (after a heal, a load)."""
+        self._clock = time.perf_counter()
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> Summary:
+        """Train until the last epoch or an early stop, one step or evaluation round at a time."""
+        wall_start = time.perf_counter()
+        self.strategy.start()
+        self.restart_clock()
+        while self.advance():
+            pass
+        return self._summary(time.perf_counter() - wall_start)
+
+    def advance(self) -> bool:
+        """One training step or evaluation round, committed or discarded by the strategy (or a
+        round of the strategy's own: a quorum start or load). False: the run is over. ``fit``
+        calls it after ``strategy.start()``; a benchmark may drive it a step at a time."""
+        attempt = self.strategy.begin_step()
+        if attempt is None:
+            return True
+        if self.over:
+            return False
+        evaluating, began = self.evaluating, time.perf_counter()
+        if self.watchdog is not None:
+            self.watchdog.beat(self.state.step, "evaluate" if evaluating else "train")
+        apply: Callable[[], None] | None = None
+        step_sums: MetricSums | None = None
+        if evaluating:
+            reduced = self.evaluate(attempt)
+            if reduced is not None:
+                apply = partial(self.end_epoch, *reduced, attempt.world)
         else:
-            outputs, loss = self._forward(x, y)
-            self.optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss * weight).backward()  # type: ignore[no-untyped-call]
-        if self.checkpointer is not None:
-            self.checkpointer.wait_staged()  # an async save may still be copying the weights
-        scaler.step(self.optimizer)
-        scaler.update()
-        self.scheduler.step()
-        if self.extra is not None:
-            self.extra.after_step(self.state.step + 1)
-        return outputs.detach(), loss.detach()
+            step_sums = self.train_share(attempt)
+            if step_sums is not None:
+                apply = partial(self.apply_step, step_sums)
+        if apply is None or not self.strategy.commit(apply):
+            self.strategy.discarded(attempt, evaluating, began)
+            return True
+        self.strategy.committed(attempt)
+        self._after_commit(attempt, step_sums)
+        if self.state.finished:
+            return False
+        if evaluating:
+            self.restart_clock()  # the next epoch's time starts after the epoch-end save
+        return True
 
-    # ------------------------------------------------------------------ epochs
-    def train_epoch(self, epoch: int) -> tuple[Totals, float]:
-        """Train one epoch (from ``state.batch_in_epoch`` on); returns global sums and MAX time."""
-        self.model.train()  # type: ignore[no-untyped-call]
-        self.sampler.set_epoch(epoch, self.state.batch_in_epoch)
-        sums, prior = self._resumed_sums or MetricSums(self.device), self._resumed_elapsed
-        self._resumed_sums, self._resumed_elapsed = None, 0.0
-        self.progress.start(
-            f"Epoch {epoch + 1}/{self.cfg.epochs}", self.sampler.batches_per_epoch, done=self.state.batch_in_epoch
-        )
-        start = time.perf_counter()
-        for *batch, indices in self.train_loader:
-            self.faults.at_step(self.state.step + 1)
-            x, y = self.task.to_device(batch, self.device)
-            outputs, loss = self.train_step(x, y)
-            sums.add_batch(self.task.correct(outputs, y), y.shape[0], loss)
+    def train_share(self, attempt: Attempt) -> MetricSums | None:
+        """Forward and backward on this member's share, in micro-batches of at most
+        ``--micro-batch-size`` samples; then the strategy combines the step. Returns the sums to
+        add to the epoch's, or None when the step cannot commit."""
+        assert attempt.share is not None
+        self.faults.at_step(self.state.step + 1)
+        share = attempt.share
+        if not attempt.keep_grads:
+            self.optimizer.zero_grad(set_to_none=True)
+        sums = MetricSums(self.device)
+        if share.size:
+            self._backward(share, sums)
+        return self.strategy.reduce_step(attempt, sums)
+
+    def _backward(self, share: Share, sums: MetricSums) -> None:
+        """Each micro-batch's mean loss weighted by its size, so the accumulated gradient is the
+        whole share's (up to float summation order); the wrapper averages across ranks only on
+        the last (``no_gradient_sync`` before). One micro-batch: the share's weight as is."""
+        x, y = self.task.to_device(share.batch, self.device)
+        n, micro = share.size, self.cfg.micro_batch_size
+        if micro and n > micro:
+            parts = list(
+                zip(torch.split(x, micro), torch.split(y, micro), torch.split(share.indices, micro), strict=True)
+            )
+        else:
+            parts = [(x, y, share.indices)]
+        scaler = self.precision.scaler
+        for i, (xs, ys, indices) in enumerate(parts):
+            sync = contextlib.nullcontext() if i == len(parts) - 1 else no_gradient_sync(self.model)
+            with sync:
+                outputs, loss = self._forward(xs, ys)
+                weight = share.weight if len(parts) == 1 else share.weight * ys.shape[0] / n
+                scaler.scale(loss * weight).backward()  # type: ignore[no-untyped-call]
+            sums.add_batch(self.task.correct(outputs.detach(), ys), ys.shape[0], loss.detach())
             sums.add_indices(indices)
-            self.state.step += 1
-            self.state.batch_in_epoch += 1
-            if not self._stepped:
-                self._stepped = True  # recovery timing: the first step of this process and group size
-                log.info("first_step", step=self.state.step, world_size=self.env.world_size)
-            self.progress.update(self.state.batch_in_epoch)
-            if self.step_log.due(self.state.step):  # only then: float(loss) waits for the device
-                lr = float(self.optimizer.param_groups[0]["lr"])
-                self.step_log.step(self.state.step, epoch + 1, float(loss), lr, self.env.world_size)
-            if self.watchdog is not None:
-                self.watchdog.beat(self.state.step)
-            if self.tracker is not None:
-                self.tracker.on_step(self.state.step)
-            self._after_step(sums, prior + time.perf_counter() - start)
-        if self.placement.is_cuda:
-            torch.cuda.synchronize(self.device)
-        elapsed = prior + time.perf_counter() - start
-        self.progress.close()
-        return sums.reduce(), all_reduce_max(elapsed, self.device)
 
     def _forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with self.precision.autocast():
@@ -339,58 +382,109 @@ class Trainer:
                 raise
             return outputs, self.task.loss(outputs, y)
 
-    def _accumulate(
-        self, x: torch.Tensor, y: torch.Tensor, micro: int, weight: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The share in micro-batches of at most ``micro`` samples: each one's mean loss weighted
-        by its size, so the accumulated gradient is the whole share's (up to float summation
-        order); DDP averages across ranks only on the last (``no_sync`` before). Returns the
-        share's outputs and mean loss, as one pass would."""
-        self.optimizer.zero_grad(set_to_none=True)
-        n = y.shape[0]
-        parts = list(zip(torch.split(x, micro), torch.split(y, micro), strict=True))
-        outputs, loss_sum = [], torch.zeros((), device=self.device)
-        for i, (xs, ys) in enumerate(parts):
-            sync = contextlib.nullcontext() if i == len(parts) - 1 else self._no_sync()
-            with sync:
-                out, loss = self._forward(xs, ys)
-                scale = weight * ys.shape[0] / n
-                self.precision.scaler.scale(loss * scale).backward()  # type: ignore[no-untyped-call]
-            outputs.append(out.detach())
-            loss_sum += loss.detach().float() * ys.shape[0]
-        return torch.cat(outputs), loss_sum / n
+    def apply_step(self, step_sums: MetricSums) -> None:
+        """Everything a committed step changes (quorum mode: after the vote)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait_staged()  # an async save may still be copying the weights
+        scaler = self.precision.scaler
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.scheduler.step()
+        self.strategy.on_apply()  # quorum mode: participant 0's module buffers
+        if self.extra is not None:
+            self.extra.after_step(self.state.step + 1)
+        self.sums.sums += step_sums.sums.to(self.device)
+        self.sums.add_digest(step_sums.digest)
+        self.state.step += 1
+        self.state.batch_in_epoch += 1
+        if self.evaluating and self.placement.is_cuda:
+            torch.cuda.synchronize(self.device)  # the epoch's time includes its last kernels
+        now = time.perf_counter()
+        self.elapsed += now - self._clock
+        self._clock = now
 
-    @contextlib.contextmanager
-    def _no_sync(self) -> Iterator[None]:
-        """Accumulate this micro-batch's gradients locally: DDP's ``no_sync``, FSDP2's
-        ``set_requires_gradient_sync(False)`` (the last micro-batch reduces the sum)."""
-        if isinstance(self.model, DistributedDataParallel):
-            with self.model.no_sync():
-                yield
-            return
-        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-    def _after_step(self, sums: MetricSums, elapsed: float) -> None:
-        """The step boundary (``boundary.StepBoundary``): stop, commit and save decisions."""
-        if self.boundary is None:
-            return
-        epoch_end = self.state.batch_in_epoch >= self.sampler.batches_per_epoch
-        decision = self.boundary.after_step(self.state.step, lambda: self.snapshot(sums, elapsed), epoch_end=epoch_end)
-        self._obey(decision)
-
-    def _obey(self, decision: Decision) -> None:
+    def _after_commit(self, attempt: Attempt, step_sums: MetricSums | None) -> None:
+        """The step boundary: the curve, the watchdog, then the strategy's saves and stops."""
+        step = self.state.step
+        if self.watchdog is not None:
+            self.watchdog.beat(step)
+        if step_sums is not None and attempt.is_first and self.step_log.due(step):
+            # Only then: the sums' values wait for the device.
+            _correct, loss_sum, samples = (float(v) for v in step_sums.sums.cpu())
+            if samples > 0:
+                lr = float(self.optimizer.param_groups[0]["lr"])
+                self.step_log.step(step, self.state.epoch + 1, loss_sum / samples, lr, attempt.world)
+        decision = self.strategy.boundary(attempt, evaluated=step_sums is None)
         if decision.stop:
-            raise Preempted(self.state.step, decision.stop_committed, decision.stop)
+            raise Preempted(step, decision.stop_committed, decision.stop)
+        if step_sums is None and self.state.finished and not decision.committed:
+            raise FinalCheckpointFailed(step)
+
+    # ------------------------------------------------------------------ the epoch's end
+    @torch.no_grad()
+    def evaluate(self, attempt: Attempt) -> tuple[Totals, dict[str, float]] | None:
+        """Exact validation: each sample once over the members (the strategy's parts, no
+        padding), SUM-combined. Also the task's extra metrics, each a SUM over validation
+        samples divided by their count. None: the round cannot commit."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait_staged()
+        batches = self.strategy.val_batches(attempt)
+        self.module.eval()
+        sums = MetricSums(self.device)
+        names = sorted(self.task.metrics)
+        extra = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for *batch, indices in batches:
+            if self.watchdog is not None:
+                self.watchdog.beat(self.state.step, "evaluate")
+            x, y = self.task.to_device(batch, self.device)
+            with self.precision.autocast():
+                outputs = self.module(x)
+                loss = self.task.loss(outputs, y)
+            outputs = outputs.float()
+            sums.add_batch(self.task.correct(outputs, y), y.shape[0], loss.float())
+            sums.add_indices(indices)
+            for i, name in enumerate(names):
+                extra[i] += self.task.metrics[name](outputs, y).detach().to(torch.float64)
+        reduced = self.strategy.reduce_eval(attempt, sums, extra)
+        if reduced is None:
+            return None
+        totals, summed = reduced
+        values = summed.cpu().tolist()
+        return totals, {
+            name: value / totals.samples if totals.samples else math.nan
+            for name, value in zip(names, values, strict=True)
+        }
+
+    def forward_filler(self) -> None:
+        """One forward whose result is dropped (FSDP2: every rank must join each gather)."""
+        x, _y = self.task.to_device(default_collate([self.data.val[0]]), self.device)
+        with self.precision.autocast():
+            self.module(x)
+
+    def end_epoch(self, val: Totals, extra: dict[str, float], world: int) -> None:
+        """The committed evaluation round: the epoch's record, line, early stop."""
+        state = self.state
+        train = self.strategy.epoch_totals(self.sums)
+        elapsed = self.strategy.epoch_time(self.elapsed)
+        record = EpochRecord.of(state.epoch, world, train, val, elapsed, state.step, extra)
+        state.history.append(record)
+        state.epoch += 1
+        state.batch_in_epoch = 0
+        self.sums, self.elapsed = MetricSums(self.device), 0.0
+        speaker = self.strategy.publish(record)
+        log.info("epoch_end", **file_only(**record.to_json()))
+        stop = self.strategy.decide_stop(self.task.monitored(record))
+        if stop:
+            self.stopped_early = True
+            if speaker:
+                self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}", always=True)
+        state.finished = stop or state.epoch >= self.cfg.epochs
 
     # ------------------------------------------------------------------ checkpoint state
-    def snapshot(self, sums: MetricSums | None = None, elapsed: float = 0.0, finished: bool = False) -> Snapshot:
+    def snapshot(self, finished: bool = False) -> Snapshot:
         """Everything needed to continue exactly from this step boundary."""
-        sums = sums or MetricSums(self.device)
         app = TrainerCheckpoint(self.stopper.state(), [r.to_json() for r in self.state.history])
+        accounting = self.strategy.accounting()
         return capture(
             Position(self.state.step, self.state.epoch, self.state.batch_in_epoch, finished),
             self.module,
@@ -400,12 +494,12 @@ class Trainer:
             scaler=self.precision.scaler,
             extra=self.extra.state_dict() if self.extra is not None else None,
             per_rank={
-                TRAIN_SUMS: sums.sums,
-                TRAIN_DIGEST: sums.digest,
-                ELAPSED: torch.tensor([elapsed], dtype=torch.float64),
+                TRAIN_SUMS: self.sums.sums,
+                TRAIN_DIGEST: self.sums.digest,
+                ELAPSED: torch.tensor([self.elapsed], dtype=torch.float64),
             },
             app=app.to_json(),
-            accounting=self.tracker.accounting.to_json() if self.tracker is not None else None,
+            accounting=accounting.to_json() if accounting is not None else None,
             config=self.cfg.to_json(),
         )
 
@@ -418,14 +512,19 @@ class Trainer:
             return self.stopper.stops_at(self.task.monitored(self.state.history[-1]))
         return ""
 
-    def restore(self, loaded: Loaded) -> None:
-        """Continue from ``loaded``: same world size exactly; another size from the same global batch."""
+    def restore(
+        self, loaded: Loaded, rank: int | None = None, world_size: int | None = None, reseed: bool = True
+    ) -> Restored:
+        """Continue from ``loaded``: same world size exactly; another size from the same global
+        batch, the partial epoch's sums carried by rank 0 (they are summed at the epoch end)."""
+        rank = self.env.rank if rank is None else rank
+        world_size = self.env.world_size if world_size is None else world_size
         done = restore(
             loaded,
             self.module,
             self.optimizer,
-            rank=self.env.rank,
-            world_size=self.env.world_size,
+            rank=rank,
+            world_size=world_size,
             device=self.device,
             scheduler=self.scheduler,
             scaler=self.precision.scaler,
@@ -438,76 +537,25 @@ class Trainer:
         self.stopper.resume(app.early_stop)
         pos = done.position
         self.state = TrainState(pos.epoch, pos.step, pos.batch_in_epoch, [EpochRecord(**r) for r in app.history])
+        # A finished run trains on when this run's flags ask for more (--epochs, target, patience).
+        self.state.finished = pos.finished and bool(self.finished_because())
         sums = MetricSums(self.device)
         if done.same_world_size:
-            mine = done.old_ranks[self.env.rank]
+            mine = done.old_ranks[rank]
             sums.sums.copy_(mine[TRAIN_SUMS])
             sums.digest.copy_(mine[TRAIN_DIGEST])
-            self._resumed_elapsed = float(mine[ELAPSED])
+            self.elapsed = float(mine[ELAPSED])
         else:
-            # Per-rank streams cannot be split or merged: reseed, and let rank 0 carry the
-            # partial epoch's sums (they are all-reduced at the epoch end anyway).
-            seed_everything(self.cfg.seed + self.env.rank + 7919 * pos.step)
-            if self.env.is_main:
+            if reseed:  # per-rank streams cannot be split or merged
+                seed_everything(self.cfg.seed + rank + 7919 * pos.step)
+            if rank == 0:
                 for part in done.old_ranks:
                     sums.sums += part[TRAIN_SUMS].to(self.device)
                     sums.add_digest(part[TRAIN_DIGEST])
-            self._resumed_elapsed = max(float(part[ELAPSED]) for part in done.old_ranks)
-        self._resumed_sums = sums
-
-    @torch.no_grad()
-    def evaluate(self) -> tuple[Totals, dict[str, float]]:
-        """Exact validation: each sample once (disjoint shards, no padding), SUM-reduced. Also
-        the task's extra metrics, each a SUM over validation samples divided by their count."""
-        # Eval runs the bare module (shards may differ in length: no DDP collectives here);
-        # rank 0's buffers (e.g. BatchNorm statistics) are made everyone's first.
-        if self.checkpointer is not None:
-            self.checkpointer.wait_staged()
-        for buffer in self.module.buffers():
-            torch.distributed.broadcast(buffer, src=0)
-        self.module.eval()
-        sums = MetricSums(self.device)
-        names = sorted(self.task.metrics)
-        extra = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        # Under FSDP every forward gathers parameters (a collective): each rank runs as many
-        # forwards as the longest shard, the missing ones on a batch whose results are dropped.
-        fills = self._fill_forwards() if self.cfg.parallel == "fsdp" else 0
-        x = None
-        for *batch, indices in self.val_loader:
-            if self.watchdog is not None:
-                self.watchdog.beat(self.state.step, "evaluate")
-            x, y = self.task.to_device(batch, self.device)
-            with self.precision.autocast():
-                outputs = self.module(x)
-                loss = self.task.loss(outputs, y)
-            outputs = outputs.float()
-            sums.add_batch(self.task.correct(outputs, y), y.shape[0], loss.float())
-            sums.add_indices(indices)
-            for i, name in enumerate(names):
-                extra[i] += self.task.metrics[name](outputs, y).detach().to(torch.float64)
-        for _ in range(fills):
-            if x is None:  # this rank's shard is empty: any input of the right form
-                x, _y = self.task.to_device(default_collate([self.data.val[0]]), self.device)
-            with self.precision.autocast():
-                self.module(x)
-        if self.cfg.parallel == "fsdp":
-            from elastic_train.distributed.fsdp import reshard_all
-
-            reshard_all(self.module)
-        totals = sums.reduce()
-        if not names:
-            return totals, {}
-        reduced = all_reduce_sum(extra).cpu().tolist()
-        per_sample = [value / totals.samples if totals.samples else float("nan") for value in reduced]
-        return totals, dict(zip(names, per_sample, strict=True))
-
-    def _fill_forwards(self) -> int:
-        """How many forwards this rank runs beyond its validation shard (see ``evaluate``)."""
-        mine = len(self.val_loader)
-        return int(all_reduce_max(float(mine), self.device)) - mine
-
-    def _record(self, epoch: int, train: Totals, val: Totals, elapsed: float, extra: dict[str, float]) -> EpochRecord:
-        return EpochRecord.of(epoch, self.env.world_size, train, val, elapsed, self.state.step, extra)
+            self.elapsed = max(float(part[ELAPSED]) for part in done.old_ranks)
+        self.sums = sums
+        self.restart_clock()
+        return done
 
     def announce(self) -> None:
         cfg, env = self.cfg, self.env
@@ -517,48 +565,20 @@ class Trainer:
         self.console.line(
             f"Backend: {self.placement.backend}, device: {self.device.type}, model: {model} "
             f"({params / 1e6:.2f}M params), dataset: {self.data.describe()}, "
-            f"global batch: {cfg.batch_size}, per-process batch: {self.sampler.per_process_batch}, "
+            f"global batch: {cfg.batch_size}, per-process batch: {per_process_batch(cfg.batch_size, env.world_size)}, "
             f"precision: {self.precision.name}"
             + (f", parallel: FSDP2 over {env.world_size} processes" if cfg.parallel == "fsdp" else "")
         )
         log.info("run_config", **file_only(config=cfg.to_json(), params=params))
 
-    def fit(self) -> Summary:
-        self.announce()
-        wall_start = time.perf_counter()
-        stopped_early = False
-        while self.state.epoch < self.cfg.epochs and not stopped_early:
-            epoch = self.state.epoch
-            train, elapsed = self.train_epoch(epoch)
-            val, extra = self.evaluate()
-            record = self._record(epoch, train, val, elapsed, extra)
-            self.state.history.append(record)
-            self.state.epoch += 1
-            self.state.batch_in_epoch = 0
-            self.console.line(record.console_line(self.cfg.epochs, self.task.rate_unit, self.task.accuracy))
-            self.metrics_file.append(record.to_json())
-            log.info("epoch_end", **file_only(**record.to_json()))
-            stopped_early = decide_stop(self.stopper, self.task.monitored(record), self.env.is_main, self.device)
-            if stopped_early:
-                self.console.line(f"Early stopping at epoch {record.epoch}: {self.stopper.reason}")
-            if self.boundary is not None:
-                finished = stopped_early or self.state.epoch >= self.cfg.epochs
-                decision = self.boundary.epoch_end(partial(self.snapshot, finished=finished), finished=finished)
-                self._obey(decision)
-                if finished and not decision.committed:
-                    raise FinalCheckpointFailed(self.state.step)
-        return self._summary(time.perf_counter() - wall_start, stopped_early)
-
-    def _summary(self, wall: float, stopped_early: bool) -> Summary:
+    def _summary(self, wall: float) -> Summary:
         history = [r.to_json() for r in self.state.history]
+        stopped = self.stopped_early or bool(self.stopper.reason)
         return Summary.of(
-            history, wall, self.env.world_size, self.placement.is_cuda, stopped_early, self.task.samples_are
+            history, wall, self.strategy.processes, self.placement.is_cuda, stopped, self.task.samples_are
         )
 
     def close(self) -> None:
         """Release loader workers and the curve's writer. The process group is the caller's."""
         self.step_log.close()
-        for loader in (self.train_loader, self.val_loader):
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
+        self.strategy.close()

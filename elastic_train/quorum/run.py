@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 
 import structlog
 import torch
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from elastic_train import __version__
 from elastic_train.boundary import FinalCheckpointFailed
+from elastic_train.checkpoint.format import latest_target
+from elastic_train.checkpoint.init_from import apply_init_weights, read_init_weights
 from elastic_train.checkpoint.manager import Checkpointer
 from elastic_train.config import TrainConfig
 from elastic_train.data import open_task_data
@@ -32,13 +35,15 @@ from elastic_train.outcome import ExitCode, continue_hint, stop_marker, write_st
 from elastic_train.quorum import warm
 from elastic_train.quorum.names import GROUPS_VAR
 from elastic_train.quorum.replica import Replica, ReplicaConfig
+from elastic_train.quorum.strategy import QuorumStrategy, Rejoin
 from elastic_train.quorum.timeouts import phase_bounds
-from elastic_train.quorum.trainer import QuorumTrainer, Rejoin
 from elastic_train.resilience.preemption import Preempted, PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.run_parts import checkpoint_config, choose_task, run_fingerprint
 from elastic_train.startup import StartupClock
+from elastic_train.step_log import StepLog
 from elastic_train.task import Task
+from elastic_train.trainer import Trainer
 
 log = structlog.get_logger(__name__)
 
@@ -151,16 +156,34 @@ def _run(
     if preemption.grace is not None:
         preemption.grace.progress = lambda: watchdog.last_progress
     groups = int(os.environ.get(GROUPS_VAR, "1"))
-    trainer = QuorumTrainer(
-        cfg, placement, task, data, checkpointer, preemption, watchdog, console, metrics, groups, faults, clock.started
+    strategy = QuorumStrategy(cfg, checkpointer, preemption, watchdog, groups, faults, clock.started)
+    init = None
+    if cfg.init_from is not None and latest_target(cfg.checkpoint_dir) is None:
+        # --init-from on a fresh job: every replica the same weights (no checkpoint yet; once
+        # there is one, the line starts from it, and a late replica heals from a peer).
+        init = partial(apply_init_weights, weights=read_init_weights(cfg.init_from), source=cfg.init_from)
+    trainer = Trainer(
+        cfg,
+        env,
+        placement,
+        task,
+        data,
+        faults,
+        watchdog=watchdog,
+        init=init,
+        strategy=strategy,
+        console=console,
+        metrics_file=metrics,
+        step_log=StepLog(cfg.log_dir, cfg.log_every, True, cfg.batch_size),  # each step's participant 0 writes
+        checkpointer=checkpointer,
     )
     # The Manager (and its heartbeat to the Lighthouse) starts only now, with the model built: a
     # replica that heartbeats but has not asked to join would hold every quorum up (join timeout).
     replica = Replica(config)
-    trainer.register(replica)
+    strategy.attach(replica)
     watchdog.start()
     try:
-        summary = trainer.fit(replica)
+        summary = trainer.fit()
         preemption.acknowledge()
     except Rejoin as exc:
         # Exit so that the agent restarts this worker: it heals from the quorum's live replicas.
@@ -191,12 +214,12 @@ def _run(
         return code
     finally:
         watchdog.stop()
-        trainer.step_log.close()  # the worker ends with os._exit: TensorBoard's buffer first
+        trainer.close()  # the worker ends with os._exit: TensorBoard's buffer first
         replica.close()
         checkpointer.close()
     for line in summary.console_lines():
         console.line(line)
-    accounting = trainer.progress.accounting()
+    accounting = strategy.accounting()
     for line in accounting.summary_lines(summary.productive_time, time.time()):
         console.line(line)
     console.line("Training completed successfully.")
@@ -209,7 +232,7 @@ def _run(
         restarts=accounting.restarts,
         lost_s=accounting.lost_s,
         recomputed_steps=accounting.recomputed_steps,
-        step=trainer.train_step,
-        weights_sha256=trainer.weights_sha256(),
+        step=trainer.state.step,
+        weights_sha256=strategy.weights_sha256(),
     )
     return ExitCode.OK

@@ -21,11 +21,11 @@ from elastic_train.checkpoint.lock import MUTEX_NAME, CheckpointLock
 from elastic_train.config import TrainConfig
 from elastic_train.data.sampler import split_evenly
 from elastic_train.errors import UsageError
-from elastic_train.metrics import format_digest, index_digest
+from elastic_train.metrics import MetricSums, format_digest, index_digest
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum.launch import Agent, Slot, parse
 from elastic_train.quorum.run import replica_config
-from elastic_train.quorum.trainer import (
+from elastic_train.quorum.strategy import (
     CORRECT,
     LOSS_SUM,
     SAMPLES,
@@ -33,12 +33,22 @@ from elastic_train.quorum.trainer import (
     QuorumProgress,
     agreed_stop,
     digest_lanes,
-    share_stats,
     stop_vote,
+    sums_stats,
 )
 from elastic_train.resilience.preemption import StopKind
 
 NO_VOTES = (StopKind.NONE, False)
+
+
+def share_stats(
+    correct: torch.Tensor, mean_loss: torch.Tensor, indices: torch.Tensor, votes: tuple[StopKind, bool]
+) -> torch.Tensor:
+    """One participant's addends, as the loop hands its share's sums to the strategy."""
+    sums = MetricSums(torch.device("cpu"))
+    sums.add_batch(correct, int(indices.numel()), mean_loss)
+    sums.add_indices(indices)
+    return sums_stats(sums, votes)
 
 
 def votes(stop: bool) -> tuple[StopKind, bool]:

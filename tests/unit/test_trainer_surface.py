@@ -27,6 +27,8 @@ OWN = {
     "elastic_train.distributed.process_group": {"all_reduce_max", "all_reduce_sum"},
     # Builds the two DataLoaders from the public GlobalBatchSampler, EvalBatchSampler and Indexed.
     "elastic_train.data": {"make_loaders"},
+    # The seed's arithmetic: an epoch's global batches, the per-process batch it prints.
+    "elastic_train.data.sampler": {"num_global_batches", "per_process_batch"},
 }
 
 

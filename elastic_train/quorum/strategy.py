@@ -1,0 +1,786 @@
+"""Quorum mode's strategy (``--ft quorum``) for the one training loop: survivors keep training.
+
+The loop (``trainer.Trainer``) is restart mode's: the same task, data order, step, metrics,
+early stop and checkpoints; what this strategy changes is who trains a step (the
+``strategy.StepStrategy`` interface). Each worker is a replica group of its own (``Replica``); every
+step the live replicas form a quorum, split the step's global batch (``QuorumSchedule``), average
+their gradients and vote. A failed attempt is discarded by every participant and redone, with the
+same global batch, by the next quorum; a restarted worker heals from a live peer. So:
+
+* every committed step trains its global batch exactly once, whatever the membership, and the
+  epoch's metrics (correct, loss sum, samples, the sample digest) are SUM-reduced inside the
+  step's own collectives: they count committed steps only and are the same on every replica;
+* everything a step changes is applied in ``Replica.commit`` after the vote (optimizer,
+  scheduler, extra state, the epoch's sums); everything else a replica holds is replicated
+  state (``register_state``) that a healing peer fetches: the weights, optimizer, scheduler,
+  ``QuorumProgress`` (epoch, history, early stop, the partial epoch's sums) and the checkpoint
+  timeline;
+* the epoch end is a round of its own (as in every mode): once an epoch's batches are
+  committed, the next attempt evaluates instead of training, each participant a contiguous
+  part of the validation set, and the sums travel in one collective; its commit appends the epoch's record and takes the
+  early-stop decision, the same on every replica (they hold the same sums). A failed round is
+  redone over the next quorum like a failed step. Participant 0 of the round prints the epoch
+  line and writes ``metrics.jsonl``. The Manager's step counts these rounds too, so the
+  training step is the loop's (``TrainState.step``);
+* module buffers (BatchNorm statistics) are participant 0's after every step, as DDP
+  broadcasts rank 0's, and are put back when an attempt is discarded;
+* checkpoints: participant 0 of a step that is due saves it (asynchronously; it takes the
+  directory lock from the replica that saved before it, which belongs to the same job). A job
+  whose replicas all start at step 0 (a launch, a requeue, or every replica lost) loads
+  ``latest`` in its first attempt, which is then discarded; a restarted replica whose peers
+  are ahead never reads a checkpoint, it heals.
+
+Limits: saves are made by one replica at a time, so a replica that dies
+mid-save leaves an uncommitted folder that the next save cleans up, never a committed one.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import structlog
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from elastic_train.boundary import Decision
+from elastic_train.checkpoint.format import CheckpointInvalid, checkpoint_key, latest_target, step_dir_name, step_of
+from elastic_train.checkpoint.manager import Checkpointer, Loaded, NewerCommitted, choose_checkpoint, load
+from elastic_train.config import TrainConfig
+from elastic_train.data import Indexed
+from elastic_train.data.sampler import loss_weight, split_evenly
+from elastic_train.errors import UsageError
+from elastic_train.faults import FaultInjector
+from elastic_train.logs import file_only
+from elastic_train.metrics import EpochRecord, MetricSums, Totals, format_digest
+from elastic_train.quorum.agreement import (
+    LineChoice,
+    QuorumPosition,
+    check,
+    decode,
+    empty_block,
+    expected_commits,
+    mint_lineage,
+    position_block,
+    timeline_key,
+)
+from elastic_train.quorum.replica import Replica, StepAttempt
+from elastic_train.quorum.schedule import QuorumSchedule, StepShare
+from elastic_train.quorum.timeouts import WaitBound
+from elastic_train.resilience.goodput import Accounting
+from elastic_train.resilience.preemption import PreemptionFlag, StopKind
+from elastic_train.resilience.watchdog import StepWatchdog
+from elastic_train.strategy import Attempt, Share
+from elastic_train.trainer import TrainState
+
+if TYPE_CHECKING:
+    from elastic_train.trainer import Trainer
+
+log = structlog.get_logger(__name__)
+
+_LOW32 = np.uint64(0xFFFFFFFF)
+# Layout of the per-step exact sums (float64; every entry is an integer or a loss sum): the
+# epoch metrics, two votes, and the sample digest's two uint64 lanes as 32-bit halves (a sum of
+# halves over W participants stays below 2^53, exact in float64, for W < 2^21).
+CORRECT, LOSS_SUM, SAMPLES, STOP, SAVE, DIGEST = 0, 1, 2, 3, 4, 5
+STATS = DIGEST + 4
+# Lines of metrics.jsonl older than the job's start (less this, for other hosts' clocks) are an
+# earlier run's: the same epoch there does not stand for this job's line.
+METRICS_CLOCK_SLACK_S = 60.0
+MAX_DISCARDS = 20  # attempts in a row before a worker gives up (see ``fit``)
+PROGRESS_EVERY = 5  # committed steps between "committed" log events (each replica's progress)
+
+
+class Rejoin(RuntimeError):
+    """This replica's state must not go on: the worker exits with ``QUORUM_STATE_UNSAFE`` so
+    that its agent restarts it, and the restarted worker heals from a live peer."""
+
+
+@dataclass(frozen=True)
+class _Salvage:
+    """A failed attempt's local work: its share's gradients (left in ``p.grad``) and sums."""
+
+    step: int
+    world: int  # the failed attempt's participants (the gradients are scaled for it)
+    indices: tuple[int, ...]
+    stats: torch.Tensor  # this participant's addends, not yet summed
+
+
+@dataclass
+class QuorumProgress:
+    """Where the run is, replicated on every replica (healed with the weights)."""
+
+    epoch: int = 0  # epochs completed
+    batch_in_epoch: int = 0  # global batches of the current epoch committed
+    sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # correct, loss sum, samples
+    digest: list[int] = field(default_factory=lambda: [0, 0])  # the epoch's uint64 lanes
+    elapsed: float = 0.0  # the epoch's training seconds so far
+    history: list[dict[str, Any]] = field(default_factory=list)
+    early_stop: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    timeline: str = ""  # the checkpoints' line of training (``Checkpointer.timeline``)
+    # Goodput bookkeeping (``Accounting``): when the job started, the workers lost from the
+    # quorum, the time from a commit to the next successful attempt when attempts failed in
+    # between, and the steps those attempts had trained (lost work).
+    job_start: float = 0.0
+    failures: int = 0
+    lost_s: float = 0.0
+    discarded: int = 0
+    # The line of training this state belongs to (``agreement.mint_lineage``): minted when a
+    # quorum starts from a checkpoint or from the seed, taken over with a heal. Two replicas at
+    # the same position on different lines hold different weights and must not average.
+    lineage: int = 0
+
+    def accounting(self) -> Accounting:
+        return Accounting(
+            self.job_start, {"failure": self.failures} if self.failures else {}, self.lost_s, self.discarded
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+    def add_digest(self, lanes: np.ndarray[Any, Any]) -> None:
+        mine = np.array(self.digest, dtype=np.uint64)
+        mine += lanes.astype(np.uint64)
+        self.digest = [int(v) for v in mine]
+
+    def totals(self) -> Totals:
+        correct, loss_sum, samples = self.sums
+        return Totals(correct, loss_sum, int(samples), format_digest(np.array(self.digest, dtype=np.uint64)))
+
+
+# The stop vote travels in the SUM-reduced stats: each replica adds STOP_BASE ** kind, so the
+# strongest kind asked for anywhere is the highest power present (exact in float64 below
+# STOP_BASE replicas). Every replica then stops the same way: a Ctrl-C on one node's agent is
+# an interrupt on every replica, never a preemption a job script would requeue.
+STOP_BASE = 1024
+
+
+def stop_vote(kind: StopKind) -> float:
+    return float(STOP_BASE ** int(kind)) if kind is not StopKind.NONE else 0.0
+
+
+def agreed_stop(total: float) -> StopKind:
+    """The strongest stop in a sum of ``stop_vote``s (``NONE`` for 0)."""
+    for kind in sorted(StopKind, reverse=True):
+        if kind is not StopKind.NONE and total >= STOP_BASE ** int(kind):
+            return kind
+    return StopKind.NONE
+
+
+def sums_stats(sums: MetricSums, votes: tuple[StopKind, bool]) -> torch.Tensor:
+    """A member's exact sums and votes as addends to the step's collective (``STATS`` float64
+    values): correct, loss sum and samples, the two votes, the digest lanes as 32-bit halves."""
+    stats = torch.zeros(STATS, dtype=torch.float64)
+    stats[CORRECT:STOP] = sums.sums.detach().to("cpu", torch.float64)
+    stats[STOP], stats[SAVE] = stop_vote(votes[0]), float(votes[1])
+    lanes = sums._lanes()
+    stats[DIGEST:] = torch.from_numpy(np.concatenate([lanes & _LOW32, lanes >> np.uint64(32)]).astype(np.float64))
+    return stats
+
+
+def stats_sums(stats: torch.Tensor) -> MetricSums:
+    """The summed ``STATS`` back as sums (on the CPU) of the whole step."""
+    sums = MetricSums(torch.device("cpu"))
+    sums.sums.copy_(stats[CORRECT:STOP])
+    sums.add_digest(torch.from_numpy(digest_lanes(stats).view(np.int64)))
+    return sums
+
+
+def digest_lanes(stats: torch.Tensor) -> np.ndarray[Any, Any]:
+    """The summed halves back into two uint64 lanes (mod 2^64)."""
+    halves = stats[DIGEST:STATS].numpy().astype(np.uint64)
+    return (halves[:2] + (halves[2:] << np.uint64(32))).astype(np.uint64)
+
+
+class QuorumStrategy:
+    """The loop's ``StepStrategy`` in quorum mode: this worker is a replica group of its own;
+    each step the live replicas form a quorum (``Replica.begin_step``), train their shares of
+    the step's global batch, average gradients and vote (``Replica.commit``)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        checkpointer: Checkpointer,
+        preemption: PreemptionFlag,
+        watchdog: StepWatchdog | None = None,
+        groups: int = 1,
+        faults: FaultInjector | None = None,
+        job_start: float | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.checkpointer = checkpointer
+        self.preemption = preemption
+        self.watchdog = watchdog
+        self.processes = groups  # replica groups the job was launched with (start line, summary)
+        self.faults = faults  # injected faults (tests, benchmarks): ``rank`` is the replica group
+        self.job_start = job_start or time.time()
+        # Inside the step watchdog's limit, which last saw this replica before the round's collective.
+        self.eval_timeout_s = 0.5 * cfg.hang_timeout if cfg.hang_timeout else 600.0
+        # How long an attempt's collectives wait for peers, each measured on its own: the first
+        # (the exchange) waits for the slowest peer's forward and backward, the gradient average
+        # for the gradients to cross the slowest link (timeouts.WaitBound).
+        self.exchange_bound = WaitBound(cfg.peer_timeout, self.eval_timeout_s)
+        self.gradient_bound = WaitBound(cfg.peer_timeout, self.eval_timeout_s)
+        # The quorum id of an attempt whose collective failed: gloo's group is then broken until
+        # the quorum changes, which torchft 0.2.0 does only when the membership does.
+        self._broken_group: int | None = None
+        self._last_save = time.monotonic()
+        self._buffers_before: list[torch.Tensor] = []
+        self._synced_buffers = torch.zeros(0, dtype=torch.float64)
+        self._salvage: _Salvage | None = None
+        self._step_share: StepShare | None = None  # the current attempt's whole share
+        self._prior: torch.Tensor | None = None  # a salvaged attempt's stats, added to this one's
+        self._summed = torch.zeros(STATS, dtype=torch.float64)  # the committed step's summed stats
+        self._announced = False
+        # Bookkeeping between commits (``discarded`` / ``committed``): what a failure cost.
+        self._world, self._discarded, self._quorum_id = 0, 0, -1
+        self._last_commit = time.perf_counter()
+        self._began = self._last_commit
+
+    # ------------------------------------------------------------------ the loop's model
+    def wrap(self, module: nn.Module, loop: Trainer) -> nn.Module:
+        """The bare module: the replica is a world of one; gradients are averaged across
+        replicas after backward (``reduce_step``)."""
+        samples = len(loop.data.train)  # type: ignore[arg-type]
+        self.schedule = QuorumSchedule(samples, self.cfg.batch_size, self.cfg.seed, self.cfg.max_steps_per_epoch)
+        self.train_items = Indexed(loop.data.train, by_epoch=loop.data.train_by_epoch)
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        # Floating or integer module buffers (BatchNorm statistics): kept equal on every replica.
+        self._buffers = list(module.buffers())
+        return module
+
+    def bind(self, loop: Trainer) -> None:
+        self.loop = loop
+        self.progress = QuorumProgress(
+            early_stop=loop.stopper.state(), timeline=self.checkpointer.timeline, job_start=self.job_start
+        )
+
+    def start(self) -> None:
+        pass  # the start lines wait for the first quorum (``_announce``)
+
+    def attach(self, replica: Replica) -> None:
+        """What a healing peer fetches: everything a committed step changes."""
+        self.replica = replica
+        loop = self.loop
+        guarded = self.checkpointer.guarded  # the model and optimizer are guarded by their hooks
+        replica.register_state("model", loop.module.load_state_dict, loop.module.state_dict)
+        replica.register_state("optimizer", loop.optimizer.load_state_dict, loop.optimizer.state_dict)
+        replica.register_state("scheduler", guarded(loop.scheduler.load_state_dict), loop.scheduler.state_dict)
+        scaler = loop.precision.scaler
+        if scaler.is_enabled():
+            replica.register_state("scaler", guarded(scaler.load_state_dict), scaler.state_dict)
+        if loop.extra is not None:
+            replica.register_state("extra", guarded(loop.extra.load_state_dict), loop.extra.state_dict)
+        replica.register_state("progress", guarded(self._load_progress), self._progress_state)
+
+    # ------------------------------------------------------------------ replicated progress
+    def _progress_state(self) -> dict[str, Any]:
+        """The loop's position and partial epoch, and this mode's bookkeeping (``QuorumProgress``)."""
+        loop, p = self.loop, self.progress
+        p.epoch, p.batch_in_epoch = loop.state.epoch, loop.state.batch_in_epoch
+        p.sums = [float(v) for v in loop.sums.sums.cpu()]
+        p.digest = [int(v) for v in loop.sums._lanes()]
+        p.elapsed = loop.elapsed
+        p.history = [r.to_json() for r in loop.state.history]
+        p.finished = loop.state.finished
+        p.early_stop = loop.stopper.state()
+        p.timeline = self.checkpointer.timeline
+        return p.to_json()
+
+    def _load_progress(self, state: dict[str, Any]) -> None:
+        p, loop = self.progress, self.loop
+        p.load(state)
+        step = p.epoch * loop.batches_per_epoch + p.batch_in_epoch
+        loop.state = TrainState(p.epoch, step, p.batch_in_epoch, [EpochRecord(**r) for r in p.history], p.finished)
+        totals = p.totals()
+        sums = MetricSums(loop.device)
+        sums.sums.copy_(torch.tensor([totals.correct, totals.loss_sum, float(totals.samples)], dtype=torch.float64))
+        sums.add_digest(torch.from_numpy(np.array(p.digest, dtype=np.uint64).view(np.int64)))
+        loop.sums, loop.elapsed = sums, p.elapsed
+        loop.stopper.resume(p.early_stop)
+        self.checkpointer.timeline = p.timeline
+
+    # ------------------------------------------------------------------ positions
+    @property
+    def commits(self) -> int:
+        """The Manager step this position stands for: what a continuous run has committed
+        (the Manager's step also counts evaluation rounds)."""
+        return expected_commits(self.loop.state.step, self.loop.state.epoch)
+
+    def position(self) -> QuorumPosition:
+        state = self.loop.state
+        timeline = timeline_key(self.checkpointer.timeline)
+        return QuorumPosition(
+            self.commits, state.step, state.epoch, self.loop.evaluating, self.progress.lineage, timeline
+        )
+
+    def _check_step(self, replica: Replica) -> None:
+        """The Manager step is a function of the position, on every replica (a heal brings
+        both from the same peer): torchft then heals by position, never back."""
+        if replica.committed_steps != self.commits:
+            raise Rejoin(
+                f"manager step {replica.committed_steps} does not stand for this replica's position "
+                f"({self.position().describe()}, i.e. step {self.commits}): its state is not trusted"
+            )
+
+    def _leave_a_broken_group(self, replica: Replica, attempt: StepAttempt) -> None:
+        """A collective of the last attempt failed with every peer alive (a wait ran into its
+        bound): gloo closed the connections, and torchft reconfigures the group only when the
+        quorum changes, so every later collective of this membership would fail at once (a
+        discard storm). The quorum's last participant leaves (restarted, it heals), which
+        changes the quorum; the others reconfigure with it."""
+        broken, self._broken_group = self._broken_group, None
+        if broken is None or replica.quorum_id != broken or attempt.world < 2:
+            return
+        if attempt.rank == attempt.world - 1:
+            raise Rejoin(
+                f"a collective of quorum {broken} failed with every participant alive and the quorum did not "
+                "change: its process group is broken; leaving so that the quorum re-forms (raise --peer-timeout "
+                "if this repeats)"
+            )
+
+    # ------------------------------------------------------------------ one attempt
+    def begin_step(self) -> Attempt | None:
+        """The quorum for the next step (a heal first if this replica is behind); while the
+        whole quorum stands at step 0, where the line of training starts (``_start_line``)."""
+        loop, replica = self.loop, self.replica
+        if self.watchdog is not None:  # waiting for a quorum (bounded by the quorum timeout)
+            self.watchdog.beat(loop.state.step, "quorum")
+        if self.faults is not None:
+            self.faults.before_quorum()
+        attempt = replica.begin_step(self.schedule, lambda: loop.state.step)
+        self._check_step(replica)
+        self._leave_a_broken_group(replica, attempt)
+        if replica.quorum_id != self._quorum_id:
+            self._quorum_id = replica.quorum_id
+            self.exchange_bound.new_membership()
+            self.gradient_bound.new_membership()
+        if attempt.heal is not None:
+            heal = attempt.heal
+            log.info("healed", from_step=heal.from_step, to_step=heal.to_step, seconds=round(heal.seconds, 3))
+            loop.restart_clock()
+        self._attempt = attempt
+        loop.console.enabled = attempt.rank == 0  # participant 0 prints (an epoch's line: ``publish``)
+        if not self._announced:
+            self._announced = True
+            self._announce(attempt)
+        if attempt.step == 0 and self._start_line(replica, attempt):
+            loop.restart_clock()
+            return None
+        if loop.over or loop.evaluating:
+            return Attempt(attempt.world, attempt.rank, None)
+        return Attempt(attempt.world, attempt.rank, *self._share(attempt))
+
+    def _share(self, attempt: StepAttempt) -> tuple[Share, bool]:
+        """This replica's share, less what a salvaged attempt of the same step already trained.
+
+        A survivor redoing a step whose gradient average failed (a peer died) keeps what it
+        computed: its gradients are still its own share's (the average writes them back only on
+        success), so it trains only the samples of its new share it has not trained yet and
+        rescales (``_Salvage``). Not with module buffers, which the first forward changed."""
+        share, stash = attempt.share, self._salvage
+        self._salvage, self._step_share, self._prior = None, share, None
+        reuse = (
+            stash is not None
+            and attempt.heal is None
+            and stash.step == share.step
+            and not self._buffers
+            and set(stash.indices) <= set(share.indices)
+        )
+        if reuse:
+            assert stash is not None
+            with torch.no_grad():  # its W_old/G * sum(old share) becomes W/G * sum(old share)
+                for p in self.loop.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(attempt.world / stash.world)
+            done = set(stash.indices)
+            rest = [i for i in share.indices if i not in done]
+            self._prior = stash.stats.clone()
+            log.info("salvaged", step=share.step, kept=len(stash.indices), computing=len(rest))
+        else:
+            rest = list(share.indices)
+            self._buffers_before = [b.detach().clone() for b in self._buffers]  # a discarded attempt's
+        self.loop.model.train()  # type: ignore[no-untyped-call]
+        weight = loss_weight(len(rest), self.cfg.batch_size, attempt.world)
+        if not rest:
+            return Share([], torch.zeros(0, dtype=torch.long), weight), reuse
+        keys: list[Any] = [(share.epoch, i) for i in rest] if self.loop.data.train_by_epoch else rest
+        *batch, indices = default_collate([self.train_items[k] for k in keys])
+        return Share(batch, indices, weight), reuse
+
+    def reduce_step(self, attempt: Attempt, sums: MetricSums) -> MetricSums | None:
+        """The step's collectives: the exact sums with every participant's position, then the
+        gradient average, then participant 0's buffers. None: a collective failed or the
+        positions differ, and the attempt will not commit (its work is kept: ``_Salvage``)."""
+        assert self._step_share is not None
+        save_due = self.cfg.checkpoint_every_seconds > 0 and (
+            time.monotonic() - self._last_save >= self.cfg.checkpoint_every_seconds
+        )
+        stats = sums_stats(sums, (self.preemption.kind, save_due and attempt.rank == 0))
+        if self._prior is not None:
+            stats[CORRECT:STOP] += self._prior[CORRECT:STOP]
+            stats[DIGEST:] += self._prior[DIGEST:]
+        mine = stats.clone()
+        # First the positions (and the sums): gradients of different global batches are never averaged.
+        summed = self._exchange(attempt, stats)
+        if summed is None or not self._average_gradients():
+            share = self._step_share
+            self._salvage = _Salvage(share.step, attempt.world, share.indices, mine)
+            return None
+        if self._buffers and not self._sync_buffers(attempt):
+            return None
+        self._summed = summed
+        return stats_sums(summed)
+
+    def _exchange(self, attempt: Attempt, stats: torch.Tensor, timeout_s: float | None = None) -> torch.Tensor | None:
+        """The attempt's first collective: the step's exact sums and every participant's
+        position (``agreement``), in one SUM. Returns the summed ``stats``, or None when the
+        collective failed or the participants stand at different positions: then nothing
+        commits, and a participant that differs from participant 0 raises ``Rejoin``."""
+        replica = self.replica
+        block = position_block(self.position(), attempt.rank, attempt.world)
+        both = torch.cat([stats, block])
+        bound = timeout_s if timeout_s is not None else self.exchange_bound.seconds()
+        began = time.perf_counter()
+        if not replica.sum(both, timeout_s=bound):
+            log.info("exchange_failed", bound_s=round(bound, 3), after_s=round(time.perf_counter() - began, 3))
+            if timeout_s is None:
+                self.exchange_bound.failed(time.perf_counter() - began)
+            self._broken_group = replica.quorum_id
+            return None
+        if timeout_s is None:
+            self.exchange_bound.record(time.perf_counter() - began)
+        try:
+            disagreement = check(decode(both[stats.numel() :], attempt.world), attempt.rank)
+        except ValueError as exc:  # a row written by none or by two: the membership is not what we think
+            replica.refuse(f"position exchange garbled: {exc}")
+            log.error("position_exchange_garbled", step=self.loop.state.step, error=str(exc))
+            return None
+        if disagreement is not None:
+            why = disagreement.explain(attempt.rank)
+            replica.refuse(why)
+            log.error("position_mismatch", step=self.loop.state.step, detail=why)
+            if attempt.rank in disagreement.differing:
+                raise Rejoin(why)
+            return None
+        return both[: stats.numel()]
+
+    def _average_gradients(self) -> bool:
+        bound = self.gradient_bound.seconds()
+        step = self.loop.state.step
+        if self.faults is not None:  # a slow link on this replica: its peers wait in the average
+            time.sleep(self.faults.link_delay(self.gradient_bytes, step + 1))
+        began = time.perf_counter()
+        if not self.replica.average_gradients(self.loop.module.parameters(), timeout_s=bound):
+            after = time.perf_counter() - began
+            self.gradient_bound.failed(after)
+            self._broken_group = self.replica.quorum_id
+            log.info("gradient_average_failed", bound_s=round(bound, 3), after_s=round(after, 3))
+            return False
+        took = time.perf_counter() - began
+        self.gradient_bound.record(took)
+        if took > self.cfg.peer_timeout:  # a flat --peer-timeout would have failed this one
+            log.info("gradient_average_slow", seconds=round(took, 3), bound_s=round(bound, 3))
+        return True
+
+    def _sync_buffers(self, attempt: Attempt) -> bool:
+        """Participant 0's buffers become everyone's, as DDP broadcasts rank 0's: a SUM where
+        every other participant contributes zeros (one collective, any dtype via float64)."""
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64).cpu() for b in self._buffers])
+        if attempt.rank != 0:
+            flat.zero_()
+        if not self.replica.sum(flat, timeout_s=self.exchange_bound.seconds()):
+            self._broken_group = self.replica.quorum_id
+            return False
+        self._synced_buffers = flat
+        return True
+
+    def commit(self, apply: Callable[[], None]) -> bool:
+        return self.replica.commit(apply)
+
+    def on_apply(self) -> None:
+        """A committed step's buffers: participant 0's (``_sync_buffers``)."""
+        if self._buffers:
+            offset = 0
+            with torch.no_grad():
+                for buffer in self._buffers:
+                    n = buffer.numel()
+                    buffer.copy_(self._synced_buffers[offset : offset + n].view_as(buffer).to(buffer.dtype))
+                    offset += n
+
+    def discarded(self, attempt: Attempt, evaluating: bool, began: float) -> None:
+        """Nothing of the attempt was applied; the next quorum redoes the step."""
+        if self._buffers and not evaluating:  # the forward changed them (BatchNorm statistics)
+            with torch.no_grad():
+                for buffer, before in zip(self._buffers, self._buffers_before, strict=True):
+                    buffer.copy_(before)
+        step = self.loop.state.step
+        # attempt_s: the attempt's own time, from its quorum to the failed vote (lost work).
+        attempt_s = round(time.perf_counter() - began, 3)
+        log.info("discarded", step=step, world=attempt.world, evaluating=evaluating, attempt_s=attempt_s)
+        if not self._discarded:
+            self._began = began
+        self._discarded += 1
+        if self._discarded >= MAX_DISCARDS:
+            # A replica that heartbeats but whose collectives always fail (gloo bound to the
+            # wrong interface, a firewall, a timeout shorter than the allreduce) would keep
+            # every quorum failing forever: end this worker, with the likely causes.
+            raise RuntimeError(
+                f"{self._discarded} attempts in a row at step {step} were discarded (world {attempt.world}): the "
+                "replicas reach the Lighthouse but not each other. Check GLOO_SOCKET_IFNAME (the "
+                "interface the nodes share), firewalls between the nodes, and raise --peer-timeout "
+                "if a step's allreduce takes longer"
+            )
+
+    def committed(self, attempt: Attempt) -> None:
+        """What a membership change cost (goodput): the time from the previous commit,
+        including the discarded attempts, detection, the new quorum and any heal."""
+        now, p, step = time.perf_counter(), self.progress, self.loop.state.step
+        if attempt.world != self._world or self._discarded:
+            log.info(
+                "quorum_changed",
+                step=step,
+                world=attempt.world,
+                previous_world=self._world,
+                discarded=self._discarded,
+                seconds_since_commit=round(now - self._last_commit, 3),
+                quorum_s=round(self._attempt.quorum_seconds, 3),  # forming this quorum (and healing, if any)
+            )
+        elif step % PROGRESS_EVERY == 0:
+            log.info("committed", step=step, world=attempt.world)
+        if self._discarded:
+            p.lost_s += self._began - self._last_commit
+            p.discarded += self._discarded
+        if self._world and attempt.world < self._world:
+            p.failures += self._world - attempt.world
+        self._world, self._discarded, self._last_commit = attempt.world, 0, now
+
+    # ------------------------------------------------------------------ evaluation round
+    def val_batches(self, attempt: Attempt) -> Iterator[list[Any]]:
+        """This participant's contiguous part of the validation set: exact (each sample once)
+        for any membership, in batches of a training share's size (known to fit)."""
+        val = self.loop.data.val
+        part = split_evenly(len(val), attempt.world, attempt.rank)  # type: ignore[arg-type]
+        items = Indexed(val)
+        size = -(-self.cfg.batch_size // attempt.world)
+        for start in range(part.start, part.stop, size):
+            yield default_collate([items[i] for i in range(start, min(start + size, part.stop))])
+
+    def reduce_eval(
+        self, attempt: Attempt, sums: MetricSums, extra: torch.Tensor
+    ) -> tuple[Totals, torch.Tensor] | None:
+        """The round's sums and the task's extra metric sums in one collective. Shards take
+        uneven time (a node busier than another): wait for the slowest as long as the watchdog
+        would let a rank evaluate, not the step collectives' few seconds."""
+        stats = torch.cat([sums_stats(sums, (self.preemption.kind, False)), extra.detach().to("cpu", torch.float64)])
+        summed = self._exchange(attempt, stats, timeout_s=self.eval_timeout_s)
+        if summed is None:
+            return None
+        self._summed = summed[:STATS]
+        val = stats_sums(summed[:STATS])
+        correct, loss_sum, samples = (float(v) for v in val.sums)
+        return Totals(correct, loss_sum, int(samples), val.digest_hex()), summed[STATS:]
+
+    # ------------------------------------------------------------------ the epoch
+    def epoch_totals(self, sums: MetricSums) -> Totals:
+        """The epoch's sums are the committed steps' global sums already."""
+        correct, loss_sum, samples = (float(v) for v in sums.sums.cpu())
+        return Totals(correct, loss_sum, int(samples), sums.digest_hex())
+
+    def epoch_time(self, elapsed: float) -> float:
+        return elapsed
+
+    def publish(self, record: EpochRecord) -> bool:
+        """Every replica that committed the round offers the line; exactly one is written (the
+        round's participant 0 may have failed its vote while the others committed)."""
+        loop = self.loop
+        first = loop.metrics_file.append_once(
+            record.to_json(),
+            key=("epoch", "step", "sample_digest"),
+            since=self.progress.job_start - METRICS_CLOCK_SLACK_S,
+        )
+        if first:
+            loop.console.line(
+                record.console_line(loop.cfg.epochs, loop.task.rate_unit, loop.task.accuracy), always=True
+            )
+        return first
+
+    def decide_stop(self, value: float) -> bool:
+        """Every replica holds the same sums, so decides the same (no broadcast)."""
+        return self.loop.stopper.update(value)
+
+    # ------------------------------------------------------------------ between steps
+    def boundary(self, attempt: Attempt, evaluated: bool) -> Decision:
+        """Saves and an agreed stop. Every replica decides the same from the step's sums;
+        participant 0 of the step saves."""
+        loop, stats = self.loop, self._summed
+        step, finished = loop.state.step, loop.state.finished
+        stop = stats[STOP] > 0 and not finished
+        every = self.cfg.checkpoint_every
+        # The step that completes an epoch is not saved by the step count: its evaluation round
+        # is next, and saves that step's state (one checkpoint per step, not two).
+        periodic = not evaluated and not loop.evaluating and every > 0 and step % every == 0
+        due = evaluated or periodic or (stats[SAVE] > 0 and not loop.evaluating)
+        committed: bool | None = None
+        if attempt.rank == 0 and (stop or finished or due):
+            # The last and a stopping step's checkpoints are waited for: the process ends next.
+            committed = self._save(stop or finished)
+        self._collect_save()
+        kind = agreed_stop(float(stats[STOP])) if stop else StopKind.NONE
+        # Only participant 0 saves: a final save failed there is the run's failure.
+        return Decision(stop=kind, stop_committed=bool(committed), committed=committed is not False)
+
+    def _save(self, sync: bool) -> bool | None:
+        step = self.loop.state.step
+        try:
+            self.checkpointer.take_lock()  # judges an older pending save before taking the lock back
+        except (UsageError, OSError) as exc:
+            log.error("checkpoint_failed", step=step, error=str(exc), detail="could not take the directory lock")
+            return False
+        self._last_save = time.monotonic()
+        return self.checkpointer.save(self.loop.snapshot(self.loop.state.finished), sync=sync)
+
+    def _collect_save(self) -> None:
+        """Commit this replica's background save once its shard is written."""
+        if self.checkpointer.pending and self.checkpointer.local_done():
+            self.checkpointer.commit_pending()
+
+    def accounting(self) -> Accounting:
+        return self.progress.accounting()
+
+    def close(self) -> None:
+        pass
+
+    def _announce(self, attempt: StepAttempt) -> None:
+        loop = self.loop
+        params = sum(p.numel() for p in loop.module.parameters())
+        if attempt.step == 0 and attempt.heal is None:
+            loop.console.line(f"Training started with {self.processes} processes")
+            loop.console.line(
+                f"Fault tolerance: quorum ({attempt.world} of {self.processes} replica groups in the first quorum), "
+                f"device: {loop.device.type}, model: {loop.task.name} ({params / 1e6:.2f}M params), "
+                f"dataset: {loop.data.describe()}, global batch: {self.cfg.batch_size}, "
+                f"precision: {loop.precision.name}"
+            )
+        log.info("run_config", **file_only(config=self.cfg.to_json(), params=params, mode="quorum"))
+
+    # ------------------------------------------------------------------ where a line starts
+    def _start_line(self, replica: Replica, attempt: StepAttempt) -> bool:
+        """The whole quorum stands at step 0 (a launch, a requeue, every replica lost): where
+        does its line of training start? Participant 0 alone chooses (the newest valid
+        checkpoint, or the seed), settles the directory under the lock and mints the line's
+        lineage; one collective gives its choice to the others, which load that very folder.
+        A participant that cannot read it raises ``Rejoin`` (restarted, it heals from the
+        others); the job goes on. True: the attempt is over (a checkpoint was loaded, and the
+        next quorum continues from it; or nothing was agreed and step 0 is tried again)."""
+        choice: LineChoice | None = None
+        loaded: Loaded | None = None
+        if attempt.rank == 0:
+            choice, loaded = self._choose_line()
+        block = choice.block() if choice is not None else empty_block()
+        # Waits for participant 0's choice (it reads and verifies the checkpoint): the bound of
+        # the watchdog's limit, as an evaluation round's.
+        if not replica.sum(block, timeout_s=self.eval_timeout_s):
+            self._broken_group = replica.quorum_id
+            replica.discard(step=0, reason="the start of the line was not agreed")
+            return True
+        try:
+            agreed = LineChoice.from_block(block)
+        except ValueError as exc:
+            replica.discard(step=0, reason=str(exc))
+            return True
+        if agreed is None:  # participant 0 chooses again at the next attempt
+            replica.discard(step=0, reason="participant 0 made no choice")
+            return True
+        if agreed.checkpoint is not None and loaded is None:
+            loaded = self._load_chosen(agreed)
+        if loaded is not None:
+            self.restore(loaded)
+        self.progress.lineage = agreed.lineage
+        self.checkpointer.timeline = self.progress.timeline = agreed.timeline
+        log.info("line_started", lineage=f"{agreed.lineage:x}", timeline=agreed.timeline, checkpoint=agreed.checkpoint)
+        if loaded is None:
+            return False  # from the seed: this attempt trains step 0
+        replica.discard(step=self.commits, reason="loaded the checkpoint; the quorum continues from it")
+        m = loaded.manifest
+        self.loop.console.line(f"Resumed from {loaded.folder} at epoch {m.epoch + 1}, step {m.step}")
+        log.info("resumed", path=str(loaded.folder), step=loaded.manifest.step, saved_world_size=loaded.world_size)
+        return True
+
+    def _choose_line(self) -> tuple[LineChoice | None, Loaded | None]:
+        """Participant 0: the directory's one settler. None: choose again (a newer checkpoint
+        was committed meanwhile, which is never moved aside in quorum mode)."""
+        ck = self.checkpointer
+        ck.take_lock()  # UsageError: another job holds the directory (every replica would hear the same)
+        selection = choose_checkpoint(ck.cfg, ck.fingerprint)  # UsageError: nothing valid, incompatible, ...
+        loaded = self._read(selection.folder, "it chose") if selection.folder is not None else None
+        try:
+            # --resume PATH is the user's choice of an older step: its future is moved aside as in
+            # restart mode. With auto, anything newer is a replica of this job's commit: keep it.
+            timeline = ck.settle(selection, keep_newer=self.cfg.resume == "auto")
+        except NewerCommitted as exc:
+            log.warning("line_choice_retried", detail=str(exc))
+            return None, None
+        key = checkpoint_key(selection.folder) if selection.folder is not None else None
+        if selection.folder is not None and key is None:
+            raise UsageError(f"checkpoint {selection.folder} is not a step folder", "pass a step-N folder to --resume")
+        return LineChoice(key, mint_lineage(), timeline_key(timeline)), loaded
+
+    def _load_chosen(self, choice: LineChoice) -> Loaded:
+        """What participant 0 chose, found from the same flags (never from a path on the wire)."""
+        assert choice.checkpoint is not None
+        if self.cfg.resume == "auto":
+            folder = self.checkpointer.cfg.root / step_dir_name(*choice.checkpoint)
+        else:
+            given = Path(self.cfg.resume)
+            folder = latest_target(given) or given
+            if checkpoint_key(folder) != choice.checkpoint:
+                raise Rejoin(f"participant 0 loaded step folder {choice.checkpoint}, --resume names {folder}")
+        loaded = self._read(folder, "participant 0 chose")
+        self.checkpointer.adopt_loaded(loaded, choice.timeline)
+        return loaded
+
+    def _read(self, folder: Path, whose: str) -> Loaded:
+        try:
+            step = step_of(folder)
+            if self.faults is not None and step is not None and self.faults.fires("load_error", step):
+                raise OSError(errno.EIO, "injected load_error", str(folder))
+            return load(folder)
+        except (CheckpointInvalid, OSError) as exc:
+            # Another replica may read it fine: this one restarts and heals from the quorum.
+            raise Rejoin(f"could not load checkpoint {folder}, which {whose}: {exc}") from exc
+
+    def restore(self, loaded: Loaded) -> None:
+        """Continue from a checkpoint of any mode and world size: the partial epoch's sums of
+        every rank that wrote it are folded into this replica's (a world of one; the per-rank
+        random streams are its own, not reseeded)."""
+        done = self.loop.restore(loaded, rank=0, world_size=1, reseed=False)
+        p = self.progress
+        p.timeline = self.checkpointer.timeline
+        saved = Accounting.from_json(done.payload.accounting) if done.payload.accounting else None
+        if saved is not None:  # the job's start and losses so far (a restart-mode run's too)
+            p.job_start, p.lost_s = saved.job_start, saved.lost_s
+            p.failures = sum(saved.restarts.values())
+            p.discarded = saved.recomputed_steps
+
+    def weights_sha256(self) -> str:
+        """sha256 of the model's tensors (names, dtypes, shapes, bytes): equal on every replica
+        that ended on the same line of training."""
+        digest = hashlib.sha256()
+        for name, value in sorted(self.loop.module.state_dict().items()):
+            flat = value.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"{name}|{flat.dtype}|{tuple(value.shape)}\n".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
