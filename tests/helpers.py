@@ -236,6 +236,22 @@ def epoch_metrics(base: Path) -> list[dict[str, Any]]:
     return [{k: m[k] for k in keep} for m in read_jsonl(base / "logs" / "metrics.jsonl")]
 
 
+def planned_samples(
+    num_samples: int, global_batch: int, epochs: int, max_steps: int | None = None, seed: int = 42
+) -> list[tuple[int, int, str]]:
+    """Every epoch's (1-based epoch, samples, sample digest) as the sampler plans them: what an
+    exactly-once run of any world size must report in ``metrics.jsonl``, computed without training
+    (the global batches depend only on the seed, the epoch and the dataset's size)."""
+    from elastic_train.data.sampler import global_batches
+    from elastic_train.metrics import format_digest, index_digest
+
+    planned = []
+    for epoch in range(epochs):
+        batches = global_batches(num_samples, global_batch, seed, epoch, max_steps)
+        planned.append((epoch + 1, int(batches.numel()), format_digest(index_digest(batches))))
+    return planned
+
+
 def state_hash(checkpoints: Path, prefixes: tuple[str, ...] = ("model.",)) -> str:
     """sha256 of the ``latest`` checkpoint's tensors under ``prefixes`` (name without the
     prefix, dtype, shape, bytes; by name): equal hashes mean bitwise-equal state."""

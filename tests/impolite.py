@@ -5,7 +5,7 @@ A killed process closes its sockets and its peers fail at once; these faults clo
 survivor's gloo collective blocks until its step watchdog (``--hang-timeout``) ends the worker,
 its agent re-rendezvouses without the silent node, and training resumes from the newest
 checkpoint at the smaller size. Every test ends with each epoch's samples trained exactly once
-(the per-epoch sample digests equal an uninterrupted run's) and one checkpoint lineage
+(the per-epoch sample digests equal the sampler's plan, ``planned``) and one checkpoint lineage
 (``assert_one_lineage``), and prints the time from the fault to the first step at the smaller
 size (docs/fault-tolerance.md, "Failures").
 """
@@ -15,8 +15,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from elastic_train.data.synthetic import SYNTHETIC_TRAIN
+from elastic_train.flags import parse_config
 from elastic_train.testing.agents import Agent, all_events, assert_one_lineage, first_step_after, wait_for
-from tests.helpers import cli, dirs, epoch_metrics, flags
+from tests.helpers import epoch_metrics, flags, planned_samples
 
 HANG_TIMEOUT = 15  # small, to keep the tests short; the default is chosen in docs/fault-tolerance.md
 RUN = flags(
@@ -38,17 +40,18 @@ HEAL_RUN = [*RUN, "--epochs", str(HEAL_EPOCHS)]
 SHRINK_BOUND_S = HANG_TIMEOUT + 45
 
 
-def uninterrupted(base: Path, args: list[str]) -> Path:
-    """The reference: one process trains ``args`` without a fault. The samples of an epoch depend
-    neither on the world size nor on the number of epochs that follow it."""
-    done = cli([*args, *dirs(base)], timeout=240)
-    assert done.returncode == 0, done.output
-    return base
+def planned(args: list[str]) -> list[tuple[int, int, str]]:
+    """The reference: every epoch's (epoch, samples, digest) for the run of ``args`` as the sampler
+    plans them. The samples of an epoch depend neither on the world size nor on training, so no
+    uninterrupted run is needed to know them (the synthetic dataset only)."""
+    cfg = parse_config(args)
+    assert cfg.dataset == "synthetic", cfg.dataset
+    return planned_samples(SYNTHETIC_TRAIN, cfg.batch_size, cfg.epochs, cfg.max_steps_per_epoch, cfg.seed)
 
 
-def samples(base: Path, epochs: int | None = None) -> list[tuple[int, int, str]]:
-    """(epoch, samples trained, digest of their indices) of the first ``epochs`` epochs."""
-    return [(m["epoch"], m["samples_seen"], m["sample_digest"]) for m in epoch_metrics(base)][:epochs]
+def samples(base: Path) -> list[tuple[int, int, str]]:
+    """(epoch, samples trained, digest of their indices) of every epoch of the run at ``base``."""
+    return [(m["epoch"], m["samples_seen"], m["sample_digest"]) for m in epoch_metrics(base)]
 
 
 def committed(base: Path, step: int) -> bool:
@@ -86,6 +89,8 @@ def outputs(*agents: Agent) -> str:
     return "\n".join(f"--- agent {a.name}\n{a.output[-3000:]}" for a in agents)
 
 
-def assert_exactly_once_and_one_lineage(base: Path, reference: Path, epochs: int) -> None:
-    assert samples(base) == samples(reference, epochs), "a sample was skipped or repeated across the fault"
+def assert_exactly_once_and_one_lineage(base: Path, args: list[str]) -> None:
+    """Every epoch of the run of ``args`` (at ``base``) trained its planned samples exactly once,
+    and its checkpoints form one lineage."""
+    assert samples(base) == planned(args), "a sample was skipped or repeated across the fault"
     assert_one_lineage(base)

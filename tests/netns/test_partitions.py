@@ -21,7 +21,6 @@ import pytest
 from elastic_train.testing.agents import Agent, first_step_after, rendezvous_store, wait_for
 from elastic_train.testing.netns import Host, bridged_hosts, ip, netns_problem
 from tests.impolite import (
-    HEAL_EPOCHS,
     HEAL_RUN,
     RUN,
     SHRINK_BOUND_S,
@@ -32,7 +31,6 @@ from tests.impolite import (
     rank0_node_and_other,
     report,
     seconds_to_train_alone,
-    uninterrupted,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,7 +38,7 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def netns_available() -> None:
-    """Skip (or fail, in CI) where namespaces cannot be made: before the reference run starts."""
+    """Skip (or fail, in CI) where namespaces cannot be made: before any agent starts."""
     problem = netns_problem()
     if problem is not None:
         if os.environ.get("ELASTIC_TRAIN_REQUIRE_NETNS") == "1":
@@ -53,12 +51,6 @@ def hosts(netns_available: None) -> Iterator[dict[str, Host]]:
     """Namespaces for the store and two nodes, on a private bridge; deleted after the test."""
     with bridged_hosts(["store", "a", "b"]) as made:
         yield made
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """As long as the longest test (the healed partition)."""
-    return uninterrupted(tmp_path_factory.mktemp("partition-reference"), HEAL_RUN)
 
 
 LISTEN = "import socket, sys; s = socket.create_server((sys.argv[1], 5000)); print('listening', flush=True); s.accept()"
@@ -88,7 +80,7 @@ def test_bridged_hosts_reach_each_other_until_a_link_is_cut_and_leave_nothing_be
 
 
 def test_a_partitioned_node_is_dropped_and_the_survivor_trains_every_sample_exactly_once(
-    tmp_path: Path, agents: list[Agent], hosts: dict[str, Host], reference: Path
+    tmp_path: Path, agents: list[Agent], hosts: dict[str, Host]
 ) -> None:
     with rendezvous_store(tmp_path, hosts["store"]) as endpoint:
         agents += [Agent(n, tmp_path, endpoint, "partition", RUN, host=hosts[n]) for n in ("a", "b")]
@@ -101,11 +93,11 @@ def test_a_partitioned_node_is_dropped_and_the_survivor_trains_every_sample_exac
     report("partition", shrink_s=round(shrink_s, 1), cut_node_exit=cut_code)
     assert survivor_code == 0, outputs(survivor, cut)
     assert shrink_s < SHRINK_BOUND_S, f"the survivor trained alone {shrink_s:.1f}s after the cut"
-    assert_exactly_once_and_one_lineage(tmp_path, reference, epochs=2)
+    assert_exactly_once_and_one_lineage(tmp_path, RUN)
 
 
 def test_a_partition_that_heals_after_the_shrink_never_forks_the_checkpoint_lineage(
-    tmp_path: Path, agents: list[Agent], hosts: dict[str, Host], reference: Path
+    tmp_path: Path, agents: list[Agent], hosts: dict[str, Host]
 ) -> None:
     with rendezvous_store(tmp_path, hosts["store"]) as endpoint:
         agents += [Agent(n, tmp_path, endpoint, "partition-heals", HEAL_RUN, host=hosts[n]) for n in ("a", "b")]
@@ -128,4 +120,4 @@ def test_a_partition_that_heals_after_the_shrink_never_forks_the_checkpoint_line
     if grow is not None:  # it rejoined as a new member, so it trained to the end with the survivor
         assert returned_code == 0, outputs(cut)
     assert shrink_s < SHRINK_BOUND_S, f"the survivor trained alone {shrink_s:.1f}s after the cut"
-    assert_exactly_once_and_one_lineage(tmp_path, reference, epochs=HEAL_EPOCHS)
+    assert_exactly_once_and_one_lineage(tmp_path, HEAL_RUN)

@@ -220,3 +220,29 @@ def test_bad_layouts_are_rejected() -> None:
     assert len(next(iter(sampler))) == 4
     with pytest.raises(ValueError, match="start batch"):
         sampler.set_epoch(0, 11)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layouts(max_world=8), st.integers(1, 3))
+def test_the_tests_sample_plan_is_what_every_world_sizes_ranks_digest_together(
+    layout: tuple[int, int, int, int, int], epochs: int
+) -> None:
+    """tests/helpers.planned_samples, the oracle of the node-loss and partition tests, equals the
+    SUM of every rank's own digest over each epoch at any world size."""
+    from elastic_train.metrics import MetricSums
+    from tests.helpers import planned_samples
+
+    num_samples, global_batch, world, seed, _ = layout
+    got = []
+    for epoch in range(epochs):
+        total = MetricSums(torch.device("cpu"))
+        samples = 0
+        for rank in range(world):
+            sampler = GlobalBatchSampler(num_samples, global_batch, world, rank, seed)
+            sampler.set_epoch(epoch)
+            for batch in sampler:
+                indices = torch.tensor([i for _, i in batch], dtype=torch.int64)
+                total.add_indices(indices)
+                samples += len(batch)
+        got.append((epoch + 1, samples, total.digest_hex()))
+    assert got == planned_samples(num_samples, global_batch, epochs, seed=seed)
