@@ -1,13 +1,15 @@
-"""Goodput under worker failures, the way a user sees it: torchrun restarts vs the warm launcher vs quorum mode.
+"""Goodput under worker failures, the way a user sees it: torchrun restarts (DDP, FSDP2) vs the warm launcher vs quorum.
 
 The same training job (synthetic data, the ViT, global batch 128, 2 CPU workers on one node,
-checkpoints every 2 steps) is launched three ways:
+checkpoints every 2 steps) is launched four ways:
 
 * ``torchrun``: ``torchrun --standalone --nproc-per-node 2 --max-restarts 100 -m elastic_train``
   (a failure restarts both workers from the last checkpoint);
 * ``warm``: ``python -m elastic_train.launch`` with the same flags (the same, workers forked warm);
 * ``quorum``: ``python -m elastic_train.quorum.launch --nproc-per-node 2 --max-restarts 100``
-  (``--ft quorum``: the survivor keeps training, the killed worker is forked again and heals).
+  (``--ft quorum``: the survivor keeps training, the killed worker is forked again and heals);
+* ``fsdp``: ``torchrun`` as above with ``--parallel fsdp`` (FSDP2: parameters, gradients and
+  optimizer state sharded over the 2 workers; each checkpoint rank writes its own pieces).
 
 For each mode ``--soaks`` rounds of one run without failures and one in which ``jobs/chaos.py``
 SIGKILLs a random worker every ``--mtbf`` seconds (seeded), the modes interleaved; a mode's
@@ -53,9 +55,12 @@ from elastic_train.logs import parse_timestamp  # noqa: E402
 from elastic_train.testing.processes import TOKEN_VAR, base_env, free_port, kill_tagged, read_jsonl  # noqa: E402
 
 BIN = Path(sys.executable).parent
-MODES = ("torchrun", "warm", "quorum")
+MODES = ("torchrun", "warm", "quorum")  # the default --modes; "fsdp" runs beside torchrun (suite: goodput-fsdp)
+TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=100"]
 LAUNCH = {
-    "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=100"],
+    "torchrun": TORCHRUN,
+    # Restart mode with a sharded model: the same job with --parallel fsdp (MODE_FLAGS).
+    "fsdp": TORCHRUN,
     "warm": [
         str(BIN / "python"),
         "-m",
@@ -74,6 +79,7 @@ LAUNCH = {
         "100",
     ],
 }
+MODE_FLAGS = {"fsdp": ["--parallel", "fsdp"]}
 WORKER = re.compile(r"replica group (\d+): worker pid (\d+)")
 
 
@@ -97,7 +103,7 @@ def events(base: Path, name: str) -> list[dict[str, Any]]:
 def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int) -> dict[str, Any]:
     """One launch, optionally with chaos; returns its wall time, kills and output."""
     env = base_env()
-    command = [*LAUNCH[mode], "-m", "elastic_train", *train_flags(epochs, base)]
+    command = [*LAUNCH[mode], "-m", "elastic_train", *train_flags(epochs, base), *MODE_FLAGS.get(mode, [])]
     out = base / "launch.out"
     chaos = None
     started = time.monotonic()

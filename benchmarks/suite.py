@@ -39,7 +39,11 @@ FULL = {
     # epochs: ~105 s a run on a quiet machine, so 3 kills a soak; with 6 a soak saw one kill and
     # a run's own noise (~1 s) was the whole per-failure figure.
     "goodput": ["--soaks", "3", "--mtbf", "30", "--epochs", "12", "--node-loss-repeats", "3"],
+    # The same job with a sharded model (FSDP2) beside replicated torchrun, in rounds of their own.
+    "goodput-fsdp": "--modes torchrun,fsdp --soaks 3 --mtbf 30 --epochs 12 --node-loss-repeats 0".split(),
 }
+# Rendered when their results exist (a section added after the others were last measured).
+OPTIONAL = {"goodput-fsdp"}
 QUICK = {
     "overhead": ["--repeats", "1", "--epochs", "2", "--steps", "6"],
     "checkpoint": ["--repeats", "1", "--mb", "40", "--saves", "1", "--every", "8"],
@@ -47,6 +51,7 @@ QUICK = {
     "recovery": ["--repeats", "1", "--soak", "0", "--launcher", "torchrun"],
     "recovery-warm": ["--repeats", "1", "--soak", "0", "--launcher", "warm"],
     "goodput": ["--soaks", "1", "--mtbf", "10", "--epochs", "2", "--node-loss-repeats", "1"],
+    "goodput-fsdp": "--modes torchrun,fsdp --soaks 1 --mtbf 10 --epochs 2 --node-loss-repeats 0".split(),
 }
 
 
@@ -80,7 +85,22 @@ def run_benchmark(name: str, args: list[str], results: Path) -> dict[str, Any]:
     subprocess.run([sys.executable, str(script), *args, "--json", str(out)], check=True)
     print(f"== {name}: {time.monotonic() - started:.0f} s", flush=True)
     data: dict[str, Any] = json.loads(out.read_text())
+    # Where and when, so that a page rendered later from mixed results says so.
+    data["measured_on"] = machine()
+    data["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out.write_text(json.dumps(data, indent=2))
     return data
+
+
+def measured_apart(results: dict[str, dict[str, Any]]) -> str:
+    """A line per result measured on another machine or run than the page's (``measured_on``)."""
+    page = results.get("machine", {}).get("machine")
+    lines = [
+        f"\n- `{name}` measured {data['measured_at']} on {data['measured_on']}."
+        for name, data in results.items()
+        if isinstance(data, dict) and data.get("measured_on") and data["measured_on"] != page
+    ]
+    return "".join(lines)
 
 
 def verdict(ok: bool) -> str:
@@ -392,6 +412,8 @@ def render(results: dict[str, dict[str, Any]], quick: bool, when: str) -> str:
     label = "QUICK sizes: a pipeline check, not figures to quote" if quick else "full sizes"
     gpu_result = gpu_table(results.get("gpu_check"))
     goodput = goodput_section(results["goodput"])
+    if "goodput-fsdp" in results:
+        goodput += "\n\n" + goodput_fsdp_section(results["goodput-fsdp"])
     return f"""# Benchmarks
 
 Each benchmark is a script that measures elastic-train and its baseline in the same run, on the
@@ -406,7 +428,7 @@ make bench
 is typed by hand.
 
 - Written {when} from each benchmark's latest results ({label}).
-- Machine: {machine()}.
+- Machine: {results.get("machine", {}).get("machine") or machine()}.{measured_apart(results)}
 
 {overhead_section(o)}
 
@@ -486,6 +508,53 @@ def quorum_overhead(g: dict[str, Any]) -> str:
         "votes on its commit and sums the exact metrics in a collective of its own. The second goodput row "
         "charges that overhead as lost time."
     )
+
+
+def goodput_fsdp_section(g: dict[str, Any]) -> str:
+    """benchmarks/goodput.py --modes torchrun,fsdp: the restart-mode goodput of a sharded model."""
+    r = [g["modes"][m] for m in ("torchrun", "fsdp")]
+
+    def cells(fmt: Any) -> list[str]:
+        return [fmt(x) for x in r]
+
+    def joined(x: dict[str, Any], fmt: Any, *keys: str) -> str:
+        return ", ".join(fmt(*values) for values in zip(*(x[k] for k in keys), strict=True))
+
+    rows = [
+        row(
+            f"**goodput**: the round's fault-free wall / soak wall, median of {g['soaks']} rounds",
+            *cells(lambda x: f"**{x['goodput_vs_own']:.3f}**"),
+        ),
+        row(
+            "the rounds' goodputs against their own fault-free runs",
+            *cells(lambda x: joined(x, lambda f, w: f"{f / w:.3f}", "fault_free_walls_s", "soak_walls_s")),
+        ),
+        row(
+            "fault-free walls, launch to exit, by round",
+            *cells(lambda x: joined(x, lambda w: f"{w:.0f} s", "fault_free_walls_s")),
+        ),
+        row(
+            "soak walls (kills)", *cells(lambda x: joined(x, lambda w, k: f"{w:.0f} s ({k})", "soak_walls_s", "kills"))
+        ),
+        row("**time lost per worker failure**, median", *cells(lambda x: f"**{x['lost_per_failure_s']:.2f} s**")),
+        row(
+            "every epoch's samples exactly once (sample digests equal the fault-free run's)",
+            *cells(lambda x: "yes" if x["exactly_once"] else "**NO**"),
+        ),
+        row(
+            "final weights: max abs difference from the fault-free run", *cells(lambda x: f"{x['max_weight_diff']:.1e}")
+        ),
+    ]
+    return f"""### The same with a sharded model: `goodput.py --modes torchrun,fsdp`
+
+Restart mode with `--parallel fsdp` (FSDP2 over the 2 workers: parameters, gradients and optimizer
+state sharded; each rank writes its own pieces of every checkpoint) beside the replicated
+`torchrun` job, in {g["soaks"]} rounds of their own (a fault-free run and a soak of each, kills
+every {g["mtbf_s"]:.0f} s, {g["epochs"]} epochs). Same definitions as above. {goodput_load(g)}
+
+| measure | torchrun (DDP) | torchrun, FSDP2 (`--parallel fsdp`) |
+| --- | --- | --- |
+{chr(10).join(rows)}"""
 
 
 def goodput_section(g: dict[str, Any]) -> str:
@@ -686,12 +755,17 @@ def main() -> None:
     args = parser.parse_args()
     args.results.mkdir(parents=True, exist_ok=True)
     plan = QUICK if args.quick else FULL
-    results = {
-        name: run_benchmark(name, extra, args.results)
-        if not args.render_only and (not args.only or name in args.only)
-        else json.loads((args.results / f"{name}.json").read_text())
-        for name, extra in plan.items()
-    }
+    results = {}
+    for name, extra in plan.items():
+        if not args.render_only and (not args.only or name in args.only):
+            results[name] = run_benchmark(name, extra, args.results)
+        elif (args.results / f"{name}.json").exists() or name not in OPTIONAL:
+            results[name] = json.loads((args.results / f"{name}.json").read_text())
+    ran = not args.render_only
+    if ran and (not args.only or set(args.only) == set(plan)):  # every benchmark: this machine's page
+        (args.results / "machine.json").write_text(json.dumps({"machine": machine()}))
+    if (args.results / "machine.json").exists():
+        results["machine"] = json.loads((args.results / "machine.json").read_text())
     gpu = args.results / "gpu_check.json"
     if gpu.exists():  # written on a GPU machine, never by this suite
         results["gpu_check"] = json.loads(gpu.read_text())
