@@ -7,7 +7,8 @@ Three ways in (docs/api.md documents every name below):
 * a ``Task`` of your own, run by the built-in trainer (``train``);
 * your own loop, built from the same pieces the trainer is built from: ``GlobalBatchSampler``,
   ``Checkpointer`` with ``capture``/``restore``, ``StepBoundary``, ``PreemptionFlag``,
-  ``StepWatchdog``, ``FaultInjector``, ``ProgressTracker``.
+  ``StepWatchdog``, ``FaultInjector``, ``ProgressTracker``; in either fault-tolerance mode
+  through ``LoopSteps`` (``RestartSteps``, ``QuorumSteps``).
 
 Names are imported on first use (PEP 562), so ``python -m elastic_train --help`` and the checks
 of bad flags stay free of torch's import time.
@@ -32,6 +33,16 @@ _EXPORTS: dict[str, str] = {
     "Attempt": "elastic_train.strategy",
     "Share": "elastic_train.strategy",
     "no_gradient_sync": "elastic_train.strategy",
+    # a loop of your own, in either mode
+    "LoopSteps": "elastic_train.steps",
+    "RestartSteps": "elastic_train.steps",
+    "QuorumSteps": "elastic_train.steps",
+    "QuorumSchedule": "elastic_train.quorum.schedule",
+    "StepShare": "elastic_train.quorum.schedule",
+    "StepAttempt": "elastic_train.quorum.replica",
+    "Heal": "elastic_train.quorum.replica",
+    "Replica": "elastic_train.quorum.replica",
+    "ReplicaConfig": "elastic_train.quorum.replica",
     # plug-in tasks
     "Task": "elastic_train.task",
     "TaskData": "elastic_train.task",
@@ -150,6 +161,12 @@ if TYPE_CHECKING:  # what type checkers see: the same names, eagerly (`as` marks
     from elastic_train.models import build_model as build_model
     from elastic_train.outcome import ExitCode as ExitCode
     from elastic_train.outcome import RestartCause as RestartCause
+    from elastic_train.quorum.replica import Heal as Heal
+    from elastic_train.quorum.replica import Replica as Replica
+    from elastic_train.quorum.replica import ReplicaConfig as ReplicaConfig
+    from elastic_train.quorum.replica import StepAttempt as StepAttempt
+    from elastic_train.quorum.schedule import QuorumSchedule as QuorumSchedule
+    from elastic_train.quorum.schedule import StepShare as StepShare
     from elastic_train.resilience.goodput import Accounting as Accounting
     from elastic_train.resilience.goodput import ProgressTracker as ProgressTracker
     from elastic_train.resilience.preemption import Preempted as Preempted
@@ -158,6 +175,9 @@ if TYPE_CHECKING:  # what type checkers see: the same names, eagerly (`as` marks
     from elastic_train.resilience.preemption import StopKind as StopKind
     from elastic_train.resilience.watchdog import StepWatchdog as StepWatchdog
     from elastic_train.run import train as train
+    from elastic_train.steps import LoopSteps as LoopSteps
+    from elastic_train.steps import QuorumSteps as QuorumSteps
+    from elastic_train.steps import RestartSteps as RestartSteps
     from elastic_train.strategy import Attempt as Attempt
     from elastic_train.strategy import RestartStrategy as RestartStrategy
     from elastic_train.strategy import Share as Share

@@ -1,44 +1,75 @@
-"""A character-level language model trained by a loop of your own, made elastic by elastic-train.
+"""A character-level language model trained by a loop of your own, in either fault-tolerance mode.
 
-Not image classification, not the built-in trainer: a plain PyTorch DDP loop that takes five
-pieces from the library and gets exact resume, elasticity and clean preemption from them:
+Not image classification, not the built-in trainer: one plain PyTorch loop (``train``) that asks
+``et.LoopSteps`` who trains which samples at each step, how gradients are averaged and whether
+the step commits, and runs unchanged in both modes:
 
-* ``GlobalBatchSampler``: each step's global batch is the same whatever the world size, and a
-  run resumes from ``(epoch, batches consumed)``: no sample skipped or repeated;
-* ``Checkpointer`` + ``capture``/``restore``: sharded, verified, async safetensors checkpoints
-  of model, optimizer, scheduler, RNG streams and data position, committed atomically;
-* ``StepBoundary``: between steps, every rank takes the same stop / commit / save decision;
-* ``PreemptionFlag``: SIGTERM/SIGUSR1/SIGUSR2 -> checkpoint this step, exit 76/75;
-* ``StepWatchdog``: a rank that stops making progress exits, so torchrun restarts the group.
+* ``--ft restart`` (default; ``et.RestartSteps``): a DDP group under torchrun. A failure ends
+  the attempt; torchrun restarts the group, which resumes from the last checkpoint
+  (``Checkpointer`` + ``capture``/``restore``: sharded, verified, async safetensors of model,
+  optimizer, scheduler, RNG streams and position, committed atomically). ``StepBoundary``
+  makes every rank take the same stop / save decision between steps; ``PreemptionFlag`` turns
+  SIGTERM/SIGUSR1/SIGUSR2/SIGINT into a checkpoint and exit 76/75/130; ``StepWatchdog`` ends a
+  rank that stops making progress so torchrun restarts the group.
+* ``--ft quorum`` (``et.QuorumSteps``): each worker is a replica in a quorum that torchft's
+  Lighthouse forms every step. A failed attempt is trained again by the survivors; a restarted
+  worker fetches the current state from a live peer (no checkpoint) and rejoins.
 
-Run it like any torchrun script (the text is generated, nothing is downloaded)::
+In both, step ``s`` trains global batch ``s`` of the run cut over the step's members, so every
+sample is trained once per epoch and the global batch is constant whatever the membership.
+Dropout masks are keyed by ``(seed, step, sample)`` (``SampleDropout``), so a step's update does
+not depend on which member trained a sample: the weights after a kill equal an uninterrupted
+run's bit for bit in restart mode at the same world size, up to float reduction order otherwise.
+
+Restart mode, like any torchrun script (the text is generated, nothing is downloaded)::
 
     torchrun --nnodes=1:2 --nproc-per-node=2 --max-restarts=3 --rdzv-backend=c10d \\
-        --rdzv-endpoint=localhost:29400 --rdzv-id=charlm examples/char_lm.py --checkpoint-dir ckpt/charlm
+        --rdzv-endpoint=localhost:29400 --rdzv-id=charlm --rdzv-conf=last_call_timeout=5 \\
+        examples/char_lm.py --checkpoint-dir checkpoints/charlm
 
-Kill a worker (``kill -9``) or the whole job and start it again: it continues from the last
-checkpoint, and at the same world size ends with the same weights, bit for bit, as a run that
-was never interrupted (tests/launch/test_examples.py checks exactly that).
+Quorum mode, two replicas on one host (on several, give the Lighthouse's host)::
+
+    torchft_lighthouse --bind 127.0.0.1:29510 --min_replicas 1 --heartbeat_timeout_ms 400 \\
+        --join_timeout_ms 100 &
+    # One job id and one secret for every replica (it signs the weights a restarted one fetches).
+    export ELASTIC_TRAIN_QUORUM_JOB=charlm ELASTIC_TRAIN_QUORUM_SECRET=$(openssl rand -hex 16)
+    for g in 0 1; do
+        REPLICA_GROUP_ID=$g TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 torchrun --standalone \\
+            --nproc-per-node=1 --max-restarts=3 examples/char_lm.py --ft quorum --log-dir logs/charlm &
+    done; wait
+
+A quorum replica appends one JSON line per event to ``<log-dir>/replica_<g>.jsonl`` (``start``,
+``heal``, ``commit`` with the step's membership and samples, ``discarded``, ``done``) and ends
+with ``final step=<n> train_loss=<mean> sha256=<weights>`` (tests/launch/test_examples.py and
+tests/launch/test_quorum.py read them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import json
+import os
 import random
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any, TextIO
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import elastic_train as et
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz .,\n"
 WORDS = "the a model rank step loss node fails and resumes from its last checkpoint while others wait".split()
+TEXT_SEED = 1234
 
 
 def make_text(chars: int, seed: int) -> str:
@@ -68,9 +99,20 @@ class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         chunk = self.codes[start : start + self.context + 1]
         return chunk[:-1], chunk[1:]
 
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        items = [self[i] for i in indices]
+        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+
+def splits(chars: int, context: int) -> tuple[Windows, Windows]:
+    """The training windows (the first 90% of the text) and the validation windows (the rest)."""
+    text = make_text(chars, seed=TEXT_SEED)
+    cut = int(len(text) * 0.9)
+    return Windows(text[:cut], context), Windows(text[cut:], context)
+
 
 class CharLM(nn.Module):
-    """Embedding, dropout (random: the checkpoint must carry the RNG streams), GRU, classifier."""
+    """Embedding, dropout, GRU, classifier."""
 
     def __init__(self, vocab: int, width: int = 64) -> None:
         super().__init__()
@@ -85,152 +127,389 @@ class CharLM(nn.Module):
         return logits.transpose(1, 2)  # [N, vocab, T]: cross_entropy's class dimension is 1
 
 
+class SampleDropout(nn.Dropout):
+    """Dropout whose mask for a sample depends only on ``(seed, step, sample index)``.
+
+    ``nn.Dropout`` draws from the process's RNG stream, so a sample's mask would depend on which
+    member trains it and what that member drew before: on the membership. Keyed masks make a
+    step's update the same for any membership (a quorum that shrank, a group restarted at
+    another size). ``step`` and ``indices`` must be set before each training forward.
+    """
+
+    def __init__(self, p: float, seed: int) -> None:
+        super().__init__(p)
+        self.seed = seed
+        self.step = 0
+        self.indices: tuple[int, ...] = ()
+
+    def _mask(self, index: int, shape: torch.Size) -> torch.Tensor:
+        key = hashlib.blake2b(f"{self.seed}:{self.step}:{index}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        return torch.rand(shape, generator=generator) >= self.p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if len(self.indices) != x.shape[0]:
+            raise RuntimeError(f"SampleDropout got {x.shape[0]} samples but {len(self.indices)} keys: set them first")
+        keep = torch.stack([self._mask(i, x.shape[1:]) for i in self.indices]).to(x.device)
+        return x * keep / (1.0 - self.p)
+
+
+class LossSums:
+    """The run's exact training loss: sums over committed global batches, equal on every member
+    (restart mode checkpoints them; a healing quorum replica fetches them with the weights)."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.samples = 0
+
+    def state(self) -> dict[str, float]:
+        return {"loss": self.loss, "samples": float(self.samples)}
+
+    def load(self, state: dict[str, float]) -> None:
+        self.loss, self.samples = state["loss"], int(state["samples"])
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.loss, float(self.samples)], dtype=torch.float64)
+
+    @property
+    def mean(self) -> float:
+        return self.loss / max(self.samples, 1)
+
+
+class EventLog:
+    """One JSON object per line, appended (a restarted worker continues its replica's file)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file: TextIO = path.open("a", buffering=1)
+
+    def write(self, event: str, **fields: Any) -> None:
+        self.file.write(json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
+
+
+def weights_sha256(model: nn.Module) -> str:
+    """sha256 of the weights (name, dtype, shape, bytes, by name): equal means bitwise equal."""
+    digest = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}\n".encode())
+        digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints/char_lm"))
+    p.add_argument("--ft", choices=["restart", "quorum"], default="restart", help="fault-tolerance mode")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="global steps in all (default: the epochs' steps)")
     p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch (sequences)")
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--chars", type=int, default=40_000)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=4, help="steps; epoch ends are always saved")
-    p.add_argument("--hang-timeout", type=float, default=60.0)
-    return p.parse_args(argv)
+    restart = p.add_argument_group("restart mode")
+    restart.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints/char_lm"))
+    restart.add_argument("--checkpoint-every", type=int, default=4, help="steps; epoch ends are always saved")
+    restart.add_argument("--hang-timeout", type=float, default=60.0)
+    quorum = p.add_argument_group("quorum mode")
+    quorum.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"), help="http://host:port")
+    quorum.add_argument("--replica-group", type=int, default=int(os.environ.get("REPLICA_GROUP_ID", "0")))
+    quorum.add_argument("--log-dir", type=Path, default=Path("logs/char_lm"))
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="pad each attempt's forward and backward to at least this many seconds (sleeping): stands in "
+        "for a larger model, so that a short run outlasts a killed worker's restart",
+    )
+    quorum.add_argument("--collective-timeout", type=float, default=2.0, help="seconds a collective waits for a peer")
+    quorum.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds a step waits for a quorum")
+    args = p.parse_args(argv)
+    if args.ft == "quorum" and not args.lighthouse:
+        p.error("--ft quorum needs a Lighthouse: pass --lighthouse http://host:port or set TORCHFT_LIGHTHOUSE")
+    return args
+
+
+@dataclass
+class Run:
+    """What the loop trains, and the mode's hooks around a committed step."""
+
+    args: argparse.Namespace
+    model: nn.Module  # the bare module (its weights, its state dict)
+    forward: nn.Module  # what the step calls: the mode's wrapper (``LoopSteps.wrap``)
+    dropout: SampleDropout
+    train_set: Windows
+    val_set: Windows
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sums: LossSums
+    device: torch.device
+    total_steps: int
+    val_world: int = 1  # evaluation: members sharing the validation set (restart mode: the group)
+    val_rank: int = 0
+    after_begin: Callable[[et.StepAttempt], None] = lambda attempt: None
+    before_apply: Callable[[], None] = lambda: None  # restart: an async save may still copy the weights
+    # After a committed step (its loss, its seconds): an exit code ends the run (an agreed stop).
+    after_commit: Callable[[et.StepAttempt, float, float], int | None] = lambda attempt, loss, seconds: None
+    on_discard: Callable[[et.StepAttempt, float], None] = lambda attempt, seconds: None
+    # After an epoch's (or the run's last) evaluation: an exit code ends the run.
+    after_epoch: Callable[[bool], int | None] = lambda finished: None
+
+
+def train(steps: et.LoopSteps, run: Run) -> int:
+    """The one loop of both modes: ``steps`` says who trains what and whether a step commits."""
+    batch = run.args.batch_size
+    per_epoch = steps.schedule.batches_per_epoch
+    while steps.committed_steps < run.total_steps:
+        started = time.monotonic()
+        attempt = steps.begin_step()
+        run.after_begin(attempt)
+        if attempt.step >= run.total_steps:  # healed to the end
+            break
+        computing = time.monotonic()
+        loss_sum = train_share(run, attempt)
+        if run.args.step_time > 0:
+            time.sleep(max(0.0, run.args.step_time - (time.monotonic() - computing)))
+        steps.average_gradients(run.model.parameters(), extras=[loss_sum])
+        # The global batch's mean loss: the members' average of share sums, times W, over G.
+        loss = float(loss_sum) * attempt.world / batch
+        if not steps.commit(partial(apply_update, run, loss)):
+            run.on_discard(attempt, time.monotonic() - started)
+            continue  # nothing applied: the survivors train the same global batch again
+        stop = run.after_commit(attempt, loss, time.monotonic() - started)
+        if stop is not None:
+            return stop
+        done = steps.committed_steps
+        if done % per_epoch == 0 or done == run.total_steps:
+            val_loss = evaluate(run)
+            if attempt.rank == 0:
+                epoch = -(-done // per_epoch)
+                print(f"epoch {epoch}: step {done}, val_loss={val_loss:.4f}", flush=True)
+            stop = run.after_epoch(done >= run.total_steps)
+            if stop is not None:
+                return stop
+    return 0
+
+
+def train_share(run: Run, attempt: et.StepAttempt) -> torch.Tensor:
+    """Forward and backward on this member's share; returns the share's summed loss (for the
+    exact global mean). The gradient is weighted so the average over members is the global
+    batch's mean gradient, whatever the split."""
+    share = attempt.share
+    codes, targets = run.train_set.batch(share.indices)
+    run.dropout.step, run.dropout.indices = attempt.step, share.indices
+    run.forward.train()  # type: ignore[no-untyped-call]
+    run.optimizer.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(run.forward(codes.to(run.device)), targets.to(run.device))
+    (loss * share.weight).backward()  # type: ignore[no-untyped-call]
+    return loss.detach().double() * len(share.indices)
+
+
+def apply_update(run: Run, loss: float) -> None:
+    """Everything a committed step changes (``commit`` runs it only when the step commits)."""
+    run.before_apply()
+    run.optimizer.step()
+    run.scheduler.step()
+    run.sums.loss += loss * run.args.batch_size
+    run.sums.samples += run.args.batch_size
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean validation loss per character, exact: each of ``val_world`` members its disjoint
+    shard, SUM of sums over them (restart mode: the group). A quorum replica, whose group may
+    change from one step to the next, evaluates the whole validation set itself."""
+    run.model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=run.device)
+    for indices in et.EvalBatchSampler(len(run.val_set), run.args.batch_size, run.val_world, run.val_rank):
+        codes, targets = run.val_set.batch(indices)
+        loss = nn.functional.cross_entropy(run.model(codes.to(run.device)), targets.to(run.device), reduction="sum")
+        sums += torch.stack([loss.double(), torch.tensor(float(targets.numel()), device=run.device)])
+    if run.val_world > 1:
+        torch.distributed.all_reduce(sums)
+    return float(sums[0] / sums[1])
+
+
+def build(args: argparse.Namespace, device: torch.device) -> Run:
+    """Model, data and optimizer: the same in both modes (the same initial weights everywhere)."""
+    train_set, val_set = splits(args.chars, args.context)
+    torch.manual_seed(args.seed)
+    model = CharLM(len(ALPHABET)).to(device)
+    dropout = SampleDropout(0.1, args.seed)
+    model.drop = dropout
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    schedule = et.QuorumSchedule(len(train_set), args.batch_size, args.seed)
+    total = args.steps if args.steps is not None else args.epochs * schedule.batches_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / (total + 1))
+    return Run(args, model, model, dropout, train_set, val_set, optimizer, scheduler, LossSums(), device, total)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    torch.set_num_threads(1)
+    return quorum_mode(args) if args.ft == "quorum" else restart_mode(args)
+
+
+# ---------------------------------------------------------------------------------------- restart
+def restart_mode(args: argparse.Namespace) -> int:
     env = et.DistEnv.from_environ()  # torchrun's variables, or a world of one
     et.configure_logging(env)
     placement = et.choose_placement("auto", env)  # CUDA + NCCL when there is a GPU, else gloo
-    torch.set_num_threads(1)
     flag = et.PreemptionFlag(et.StopGrace(10.0, env.rank))
     flag.install()
     faults = et.FaultInjector.from_environ(env.rank, args.checkpoint_dir / ".faults")  # tests kill workers
     with et.process_group(env, placement, timeout_s=120.0):
-        return train(args, env, placement, flag, faults)
-
-
-def train(
-    args: argparse.Namespace,
-    env: et.DistEnv,
-    placement: et.Placement,
-    flag: et.PreemptionFlag,
-    faults: et.FaultInjector,
-) -> int:
-    device = placement.device
-    text = make_text(args.chars, seed=1234)
-    cut = int(len(text) * 0.9)
-    train_set, val_set = Windows(text[:cut], args.context), Windows(text[cut:], args.context)
-    sampler = et.GlobalBatchSampler(len(train_set), args.batch_size, env.world_size, env.rank, args.seed)
-    # Each DataLoader iterator draws a seed from its generator: the global one by default, which
-    # would shift the dropout stream of a run resumed mid-epoch. Private generators keep it exact.
-    loader = DataLoader(et.Indexed(train_set), batch_sampler=sampler, generator=torch.Generator())
-    val_loader = DataLoader(
-        et.Indexed(val_set),
-        batch_sampler=et.EvalBatchSampler(len(val_set), args.batch_size, env.world_size, env.rank),
-        generator=torch.Generator(),
-    )
-
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = CharLM(len(ALPHABET)).to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if placement.is_cuda else None)
-    torch.manual_seed(args.seed + env.rank)  # then one dropout stream per rank
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    total_steps = args.epochs * sampler.batches_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / (total_steps + 1))
-
-    # What a resumed run must share with the checkpoint; anything else may change.
-    fingerprint = {"example": "char_lm", "seed": args.seed, "batch_size": args.batch_size, "context": args.context}
-    control = et.ControlPlane()  # a small gloo group for the step-boundary agreement
-    checkpointer = et.Checkpointer(
-        et.CheckpointConfig(root=args.checkpoint_dir, hang_timeout=args.hang_timeout),
-        env,
-        fingerprint,
-        control.group,
-        hooks=et.CheckpointFaults(faults),
-    )
-    checkpointer.start()
-    watchdog = et.StepWatchdog(args.hang_timeout, env.rank)
-    checkpointer.heartbeat = watchdog.alive  # a long save is progress, not a hang
-    try:
-        position = et.Position(step=0)
-        loaded = checkpointer.resume()
-        if loaded is not None:
-            restored = et.restore(
-                loaded, model, optimizer, rank=env.rank, world_size=env.world_size, device=device, scheduler=schedule
-            )
-            position = restored.position
-            if not restored.rng_restored:  # another world size: per-rank streams cannot be split
-                torch.manual_seed(args.seed + env.rank + 7919 * position.step)
-            if env.is_main:
-                print(f"resumed from {loaded.folder} at step {position.step}", flush=True)
-            if position.finished:
-                return 0
-        epoch, step, batch_in_epoch = position.epoch, position.step, position.batch_in_epoch
-        boundary = et.StepBoundary(
-            checkpointer, control, et.SavePolicy(every_steps=args.checkpoint_every), flag, is_main=env.is_main
+        run = build(args, placement.device)
+        steps = et.RestartSteps(et.QuorumSchedule(len(run.train_set), args.batch_size, args.seed), env, run.device)
+        run.forward = steps.wrap(run.model)
+        # What a resumed run must share with the checkpoint; anything else may change.
+        fingerprint = {
+            "example": "char_lm",
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "context": args.context,
+            "data.train_samples": len(run.train_set),
+        }
+        control = et.ControlPlane()  # a small gloo group for the step-boundary agreement
+        checkpointer = et.Checkpointer(
+            et.CheckpointConfig(root=args.checkpoint_dir, hang_timeout=args.hang_timeout),
+            env,
+            fingerprint,
+            control.group,
+            hooks=et.CheckpointFaults(faults),
         )
-
-        def snapshot(finished: bool = False) -> et.Snapshot:
-            return et.capture(
-                et.Position(step, epoch, batch_in_epoch, finished),
-                model,
-                optimizer,
-                device=device,
-                scheduler=schedule,
+        checkpointer.start()
+        watchdog = et.StepWatchdog(args.hang_timeout, env.rank)
+        checkpointer.heartbeat = watchdog.alive  # a long save is progress, not a hang
+        try:
+            loaded = checkpointer.resume()
+            if loaded is not None:
+                restored = et.restore(
+                    loaded,
+                    run.model,
+                    run.optimizer,
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    device=run.device,
+                    scheduler=run.scheduler,
+                    extra_like={"loss_sums": run.sums.as_tensor()},
+                )
+                sums = restored.extra["loss_sums"]
+                run.sums.load({"loss": float(sums[0]), "samples": float(sums[1])})
+                steps.resume_at(restored.position.step)
+                if env.is_main:
+                    print(f"resumed from {loaded.folder} at step {restored.position.step}", flush=True)
+                if restored.position.finished:
+                    return 0
+            boundary = et.StepBoundary(
+                checkpointer, control, et.SavePolicy(every_steps=args.checkpoint_every), flag, is_main=env.is_main
             )
+            per_epoch = steps.schedule.batches_per_epoch
 
-        watchdog.start()
-        while epoch < args.epochs:
-            ddp.train()  # type: ignore[no-untyped-call]
-            sampler.set_epoch(epoch, batch_in_epoch)
-            for codes, targets, _ in loader:
-                faults.at_step(step + 1)
-                codes, targets = codes.to(device), targets.to(device)
-                loss = nn.functional.cross_entropy(ddp(codes), targets)
-                optimizer.zero_grad(set_to_none=True)
-                # Shares of a global batch may differ by one: weight them so the update is the
-                # global batch's mean at any world size.
-                (loss * sampler.loss_weight(codes.shape[0])).backward()  # type: ignore[no-untyped-call]
-                checkpointer.wait_staged()  # an async save may still be copying the weights
-                optimizer.step()
-                schedule.step()
-                step, batch_in_epoch = step + 1, batch_in_epoch + 1
-                watchdog.beat(step)
-                last = batch_in_epoch == sampler.batches_per_epoch
-                decision = boundary.after_step(step, snapshot, epoch_end=last)
-                if decision.stop:
-                    return int(decision.stop.exit_code)
-            epoch, batch_in_epoch = epoch + 1, 0
-            val_loss = evaluate(model, val_loader, device, checkpointer)
-            if env.is_main:
-                print(f"epoch {epoch}/{args.epochs}: step {step}, val_loss={val_loss:.4f}", flush=True)
-            finished = epoch == args.epochs
-            decision = boundary.epoch_end(partial(snapshot, finished), finished=finished)
-            if decision.stop:
-                return int(decision.stop.exit_code)
-        if env.is_main:
-            print("done", flush=True)
-        return 0
-    finally:
-        watchdog.stop()
-        checkpointer.close()
+            def snapshot(finished: bool = False) -> et.Snapshot:
+                epoch, batch = divmod(steps.committed_steps, per_epoch)
+                return et.capture(
+                    et.Position(steps.committed_steps, epoch, batch, finished),
+                    run.model,
+                    run.optimizer,
+                    device=run.device,
+                    scheduler=run.scheduler,
+                    extra={"loss_sums": run.sums.as_tensor()},
+                )
+
+            def after_commit(attempt: et.StepAttempt, loss: float, seconds: float) -> int | None:
+                del attempt, loss, seconds
+                done = steps.committed_steps
+                watchdog.beat(done)
+                epoch_end = done % per_epoch == 0 or done == run.total_steps
+                decision = boundary.after_step(done, snapshot, epoch_end=epoch_end)
+                return int(decision.stop.exit_code) if decision.stop else None
+
+            def after_epoch(finished: bool) -> int | None:
+                decision = boundary.epoch_end(partial(snapshot, finished), finished=finished)
+                return int(decision.stop.exit_code) if decision.stop else None
+
+            run.val_world, run.val_rank = env.world_size, env.rank
+            run.after_begin = lambda attempt: faults.at_step(attempt.step + 1)  # tests kill a rank mid-step
+            run.before_apply = checkpointer.wait_staged
+            run.after_commit, run.after_epoch = after_commit, after_epoch
+            watchdog.start()
+            code = train(steps, run)
+            if code == 0 and env.is_main:
+                print(f"done train_loss={run.sums.mean:.4f}", flush=True)
+            return code
+        finally:
+            watchdog.stop()
+            checkpointer.close()
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader[object], device: torch.device, ck: et.Checkpointer) -> float:
-    """Mean validation loss per character, exact over ranks (SUM of sums, each sample once)."""
-    ck.wait_staged()
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for codes, targets, _ in loader:
-        logits = model(codes.to(device))
-        loss = nn.functional.cross_entropy(logits, targets.to(device), reduction="sum")
-        sums += torch.stack([loss.double(), torch.tensor(float(targets.numel()), device=device)])
-    torch.distributed.all_reduce(sums)
-    return float(sums[0] / sums[1])
+# ----------------------------------------------------------------------------------------- quorum
+def quorum_mode(args: argparse.Namespace) -> int:
+    # This replica group's workers: torchrun's RANK / WORLD_SIZE (one agent per group). Several
+    # workers train DDP inside the group, on a process group of their own; the quorum (gloo,
+    # torchft's) runs across groups, each worker with the same group rank of every other group.
+    group = et.DistEnv.from_environ()
+    placement = et.choose_placement("cpu", group)
+    with contextlib.ExitStack() as stack:
+        if group.world_size > 1:
+            stack.enter_context(et.process_group(group, placement, timeout_s=120.0))
+        return quorum_replica(args, group)
+
+
+def quorum_replica(args: argparse.Namespace, group: et.DistEnv) -> int:
+    run = build(args, torch.device("cpu"))
+    config = et.ReplicaConfig(
+        args.lighthouse,
+        args.replica_group,
+        collective_timeout_s=args.collective_timeout,
+        quorum_timeout_s=args.quorum_timeout,
+    )
+    # One event file per worker: replica_<g>.jsonl, replica_<g>.rank<r>.jsonl in a group of several.
+    name = config.replica_id if group.world_size == 1 else f"{config.replica_id}.rank{group.rank}"
+    log = EventLog(args.log_dir / f"{name}.jsonl")
+    log.write("start", replica=config.replica_id, group_rank=group.rank, restart_count=group.restart_count)
+    with et.Replica(config) as replica:
+        steps = et.QuorumSteps(replica, et.QuorumSchedule(len(run.train_set), args.batch_size, args.seed))
+        run.forward = steps.wrap(run.model)
+        # What a healing replica fetches from a live peer (a copy taken at the step boundary).
+        steps.register_state("model", run.model.load_state_dict, run.model.state_dict)
+        steps.register_state("optimizer", run.optimizer.load_state_dict, run.optimizer.state_dict)
+        steps.register_state("scheduler", run.scheduler.load_state_dict, run.scheduler.state_dict)
+        steps.register_state("loss_sums", run.sums.load, run.sums.state)
+
+        def after_begin(attempt: et.StepAttempt) -> None:
+            if attempt.heal is not None:
+                heal = attempt.heal
+                log.write("heal", from_step=heal.from_step, to_step=heal.to_step, seconds=heal.seconds)
+
+        def after_commit(attempt: et.StepAttempt, loss: float, seconds: float) -> int | None:
+            share = attempt.share
+            log.write(
+                "commit",
+                step=attempt.step,
+                world=attempt.world,
+                rank=attempt.rank,
+                quorum_seconds=attempt.quorum_seconds,
+                epoch=share.epoch,
+                batch=share.batch,
+                indices=list(share.indices),
+                loss=loss,
+                seconds=seconds,
+            )
+            return None
+
+        def on_discard(attempt: et.StepAttempt, seconds: float) -> None:
+            fields = {"world": attempt.world, "rank": attempt.rank, "quorum_seconds": attempt.quorum_seconds}
+            log.write("discarded", step=attempt.step, **fields, seconds=seconds)
+
+        run.after_begin, run.after_commit, run.on_discard = after_begin, after_commit, on_discard
+        code = train(steps, run)
+        digest = weights_sha256(run.model)
+        save_file(run.model.state_dict(), str(args.log_dir / f"{name}.final.safetensors"))
+        log.write("done", step=steps.committed_steps, sha256=digest, train_loss=run.sums.mean)
+        print(f"final step={steps.committed_steps} train_loss={run.sums.mean:.4f} sha256={digest}", flush=True)
+        return code
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """One replica group's side of quorum training, on torchft's ``Manager``.
 
-A replica group is one worker (one ``torchrun --nproc-per-node=1`` agent): its agent restarts it
-alone when it dies, and the new worker fetches the current state from a live peer instead of a
-checkpoint. Every step (``Replica.begin_step``) the replicas that are alive form a quorum through
-the Lighthouse (``elastic_train.quorum.lighthouse``); the quorum agrees on the step, and each
-participant trains its share of that step's global batch (``QuorumSchedule``). A step that any
-participant fails to finish is discarded by all of them and redone, with the same global batch,
-over the next quorum. So a peer's failure costs the survivors one discarded attempt and the
-Lighthouse's heartbeat timeout, never a restart.
+A replica group is the workers of one torchrun agent: one (``--nproc-per-node=1``, the trainer's
+quorum mode) or K, with DDP inside the group (a custom loop, ``steps.QuorumSteps``). Its agent
+restarts the group when one of them dies, and each new worker fetches the current state from the
+worker of the same group rank in a live peer group instead of a checkpoint. Every step
+(``Replica.begin_step``) the replicas that are alive form a quorum through the Lighthouse
+(``elastic_train.quorum.lighthouse``); the quorum agrees on the step, and each participant trains
+its share of that step's global batch (``QuorumSchedule``). A step that any participant fails to
+finish is discarded by all of them and redone, with the same global batch, over the next quorum.
+So a peer's failure costs the survivors one discarded attempt and the Lighthouse's heartbeat
+timeout, never a restart.
 
 The loop, for one step::
 
@@ -29,7 +31,7 @@ Choices that differ from torchft's own recipe, and why:
   initial weights identically need no state transfer at step 0; a replica behind the quorum's
   step heals either way.
 
-Limits (this slice): one worker per replica group (``WORLD_SIZE`` 1); the gradient average
+Limits (this slice): the trainer runs one worker per replica group (``quorum.run``); the gradient average
 runs after the backward pass, in one flat copy of the gradients (no overlap with backward as
 DDP's buckets give); the Lighthouse is a single point of failure (without it ``begin_step``
 raises after ``quorum_timeout_s`` and the worker exits); a failure inside the optimizer step
@@ -154,8 +156,8 @@ class StepAttempt:
     """What the quorum agreed for one attempt at a step, and this replica's part in it."""
 
     step: int  # the global step the quorum trains (the committed steps so far)
-    world: int  # participants in this attempt
-    rank: int  # this replica's rank among them
+    world: int  # data-parallel members in this attempt: the quorum's groups x workers per group
+    rank: int  # this worker's rank among them (group index in the quorum x K + group rank)
     share: StepShare  # the samples this replica trains on
     heal: Heal | None  # set when this replica healed to ``step`` before the attempt
     quorum_seconds: float  # time spent in ``begin_step``
@@ -172,15 +174,19 @@ class _GroupEnv:
 
     @classmethod
     def from_environ(cls) -> _GroupEnv:
+        """One torchrun agent per replica group: its RANK and WORLD_SIZE are the group's."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size != 1:
-            raise ValueError(
-                f"WORLD_SIZE={world_size}: quorum mode runs one worker per replica group (torchrun "
-                "restarts every worker of a group when one fails); start one agent per replica with "
-                "--nproc-per-node=1"
-            )
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if world_size > 1 and (addr is None or port is None):
+            raise ValueError(
+                f"WORLD_SIZE={world_size} without MASTER_ADDR/MASTER_PORT: a replica group of several "
+                "workers meets in its agent's store; start each group with torchrun --nproc-per-node=K"
+            )
         return cls(int(os.environ.get("RANK", "0")), world_size, addr, int(port) if port else None)
+
+    @property
+    def attempt(self) -> int:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _host_copy(state: T) -> T:
@@ -231,7 +237,7 @@ class Replica:
         from torchft import Manager, ProcessGroupGloo  # optional dependency: elastic-train[ft]
 
         self.config = config
-        group = _GroupEnv.from_environ()
+        self.group = group = _GroupEnv.from_environ()
         self._own_store: object = None  # kept alive: the Manager and its peers use it
         store_addr, store_port = group.store_addr, group.store_port
         if store_addr is None or store_port is None:
@@ -248,6 +254,12 @@ class Replica:
             )
             self._own_store = store
             store_addr, store_port = config.hostname, int(store.port)
+        ready = f"elastic_train/replica_ready/{group.attempt}"
+        if group.rank != 0:
+            # The group's Manager server runs on group rank 0, which publishes its address in the
+            # agent's store under fixed keys; the store outlives a restart of the group, so a
+            # worker reading before rank 0 wrote would connect to the previous attempt's server.
+            self._store_client(store_addr, store_port).wait([ready], timedelta(seconds=config.connect_timeout_s))
         self.manager: Any = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=config.collective_timeout_s)),
             load_state_dict=None,  # state comes from register_state, one entry per component
@@ -269,6 +281,12 @@ class Replica:
             checkpoint_transport=_state_transport(config),
         )
         identity.guard_quorum(self.manager, config.job, config.member_id, config.lighthouse)
+        if group.rank == 0 and group.world_size > 1:
+            self._store_client(store_addr, store_port).set(ready, "1")
+
+    @staticmethod
+    def _store_client(addr: str, port: int) -> Any:
+        return torch.distributed.TCPStore(addr, port, is_master=False, wait_for_workers=False)  # type: ignore[attr-defined]
 
     @property
     def quorum_id(self) -> int:
@@ -311,8 +329,11 @@ class Replica:
             raise RuntimeError(f"replica {self.config.replica_id} is not participating in the quorum for step {step}")
         heal = Heal(before, step, seconds) if step != before else None
         batch = position() if position is not None else step
-        share = schedule.share(batch, world, int(rank))
-        return StepAttempt(step, world, int(rank), share, heal, seconds)
+        # The data-parallel members are the quorum's groups times each group's workers.
+        k = self.group.world_size
+        world, rank = world * k, int(rank) * k + self.group.rank
+        share = schedule.share(batch, world, rank)
+        return StepAttempt(step, world, rank, share, heal, seconds)
 
     def average(self, tensors: Sequence[torch.Tensor], timeout_s: float | None = None) -> bool:
         """Average ``tensors`` in place over the attempt's participants, in one collective.

@@ -1,4 +1,5 @@
-"""Example (a): the custom-loop character LM (examples/char_lm.py) under elastic torchrun.
+"""Example (a): the custom-loop character LM (examples/char_lm.py) in restart mode under elastic
+torchrun (its quorum mode, the same loop: tests/launch/test_quorum.py).
 
 ``torchrun --nnodes=1:2 --max-restarts=3`` with a worker SIGKILLed mid-epoch: the agent restarts
 the group, the loop resumes from its last checkpoint, and the final weights equal those of an

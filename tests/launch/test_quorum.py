@@ -1,4 +1,4 @@
-"""Quorum mode (issue 11) on torchft: examples/quorum_lm.py, one torchrun agent per replica group.
+"""Quorum mode (issue 11) on torchft: examples/char_lm.py --ft quorum, one torchrun agent per replica group.
 
 A Lighthouse on loopback and two single-worker replica groups. A SIGKILLed worker must cost the
 survivor one discarded attempt and never a restart; the killed worker's agent restarts it and it
@@ -30,12 +30,23 @@ from elastic_train.data.sampler import global_batches
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
 from elastic_train.quorum.names import JOB_VAR, SECRET_VAR
 from elastic_train.quorum.schedule import QuorumSchedule
-from examples.char_lm import Windows, make_text
+from examples.char_lm import splits
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged, read_jsonl
 
-SCRIPT = str(ROOT / "examples" / "quorum_lm.py")
-STEPS, BATCH, CHARS, CONTEXT, SEED = 80, 16, 20_000, 32, 0  # 39 steps per epoch: 3 epochs
-RUN = ["--steps", str(STEPS), "--batch-size", str(BATCH), "--chars", str(CHARS), "--context", str(CONTEXT)]
+SCRIPT = str(ROOT / "examples" / "char_lm.py")
+STEPS, BATCH, CHARS, CONTEXT, SEED = 80, 16, 20_000, 32, 0  # 35 steps per epoch: 3 epochs
+RUN = [
+    "--ft",
+    "quorum",
+    "--steps",
+    str(STEPS),
+    "--batch-size",
+    str(BATCH),
+    "--chars",
+    str(CHARS),
+    "--context",
+    str(CONTEXT),
+]
 # Padding each step with a sleep (no CPU) keeps a short run going while a killed worker restarts
 # (torchrun, then importing torch and torchft: 5-10 s on this shared 2-core machine).
 PADDED = ["--step-time", "0.25"]
@@ -43,7 +54,7 @@ SURVIVOR, VICTIM = 0, 1
 
 
 def schedule() -> QuorumSchedule:
-    samples = len(Windows(make_text(CHARS, seed=1234), CONTEXT))  # what the example trains on
+    samples = len(splits(CHARS, CONTEXT)[0])  # what the example trains on
     return QuorumSchedule(samples, BATCH, SEED)
 
 

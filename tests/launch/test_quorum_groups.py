@@ -1,0 +1,207 @@
+"""Replica groups of several workers (issue 20, first step): DDP inside a group, the quorum across.
+
+Two groups of two workers each (one ``torchrun --nproc-per-node=2`` agent per group) run
+examples/char_lm.py --ft quorum. SIGKILL one worker of group 1: its agent restarts the whole
+group, group 0 keeps committing alone (never restarted), and the restarted group heals worker by
+worker (each from the live group's worker of the same group rank) and trains with it again.
+Whatever the membership, every committed step trains its global batch exactly once, cut over the
+quorum's groups x 2 workers, and all four workers end with the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_train.data.sampler import global_batches
+from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
+from elastic_train.quorum.names import JOB_VAR, SECRET_VAR
+from elastic_train.quorum.schedule import QuorumSchedule
+from examples.char_lm import splits
+from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged, read_jsonl
+
+SCRIPT = str(ROOT / "examples" / "char_lm.py")
+STEPS, BATCH, CHARS, CONTEXT, SEED = 70, 16, 20_000, 32, 0  # 35 steps per epoch: 2 epochs
+K = 2  # workers per replica group
+RUN = ["--ft", "quorum", "--steps", str(STEPS), "--batch-size", str(BATCH), "--chars", str(CHARS)]
+PADDED = ["--step-time", "0.4"]  # keeps the short run going while the killed group restarts
+SURVIVOR, VICTIM = 0, 1
+
+
+def schedule() -> QuorumSchedule:
+    return QuorumSchedule(len(splits(CHARS, CONTEXT)[0]), BATCH, SEED)
+
+
+@dataclass
+class Groups:
+    base: Path
+    env: dict[str, str]
+    lighthouse: Lighthouse
+    agents: dict[int, subprocess.Popen[bytes]]
+
+    def start(self, group: int) -> None:
+        command = [
+            str(BIN / "torchrun"),
+            "--standalone",
+            f"--nproc-per-node={K}",
+            "--max-restarts=3",
+            SCRIPT,
+            *RUN,
+            *PADDED,
+            "--lighthouse",
+            self.lighthouse.address,
+            "--log-dir",
+            str(self.base),
+        ]
+        with (self.base / f"agent_{group}.out").open("wb") as out:
+            self.agents[group] = subprocess.Popen(
+                command,
+                env={**self.env, "REPLICA_GROUP_ID": str(group), "OMP_NUM_THREADS": "1"},
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def log(self, group: int, rank: int) -> list[dict[str, Any]]:
+        path = self.base / f"replica_{group}.rank{rank}.jsonl"
+        return read_jsonl(path) if path.exists() else []
+
+    def until(self, what: str, condition: Callable[[], bool], timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            running = all(agent.poll() is None for agent in self.agents.values())
+            assert running and time.monotonic() < deadline, f"never saw {what}\n{self.output()}"
+            time.sleep(0.05)
+
+    def wait(self, timeout: float) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for group, agent in self.agents.items():
+            try:
+                codes[group] = agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"group {group} still running after {timeout}s\n{self.output()}") from None
+        return codes
+
+    def output(self) -> str:
+        return "\n".join(
+            f"--- agent {g}\n" + "\n".join((self.base / f"agent_{g}.out").read_text().splitlines()[-40:])
+            for g in sorted(self.agents)
+        )
+
+
+@pytest.fixture
+def groups(tmp_path: Path) -> Iterator[Groups]:
+    env = base_env({JOB_VAR: f"groups-{secrets.token_hex(4)}", SECRET_VAR: secrets.token_hex(16)})
+    config = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=400, join_timeout_ms=100)
+    lighthouse = Lighthouse(config, log=tmp_path / "lighthouse.log", env=env)
+    lighthouse.start()
+    try:
+        yield Groups(tmp_path, env, lighthouse, {})
+    finally:
+        kill_tagged(env[TOKEN_VAR])  # agents and the workers torchrun put in sessions of their own
+        lighthouse.stop()
+
+
+def commits(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in log if r["event"] == "commit"]
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_group_heals_worker_by_worker(
+    groups: Groups,
+) -> None:
+    started = time.monotonic()
+    groups.start(SURVIVOR)
+    groups.start(VICTIM)
+    workers = [(g, r) for g in (SURVIVOR, VICTIM) for r in range(K)]
+
+    def all_together_past(step: int) -> bool:
+        return all(
+            any(c["world"] == 2 * K and c["step"] >= step for c in commits(groups.log(g, r))) for g, r in workers
+        )
+
+    groups.until("both groups training together", lambda: all_together_past(8), timeout=150)
+    victim_pid = groups.log(VICTIM, 1)[0]["pid"]
+    os.kill(victim_pid, signal.SIGKILL)
+    killed_at = time.time()
+    codes = groups.wait(timeout=150)
+    assert codes == {SURVIVOR: 0, VICTIM: 0}, groups.output()
+    logs = {(g, r): groups.log(g, r) for g, r in workers}
+
+    # The surviving group was never restarted: one start per worker, and it committed alone
+    # (2 members) after the kill, then with the healed group again (4).
+    for r in range(K):
+        log = logs[(SURVIVOR, r)]
+        starts = [e for e in log if e["event"] == "start"]
+        assert len(starts) == 1 and starts[0]["restart_count"] == 0, starts
+        worlds = [c["world"] for c in commits(log) if c["time"] > killed_at]
+        assert K in worlds and worlds[-1] == 2 * K, worlds
+    # The victim's agent restarted its whole group once; each new worker healed once, from the
+    # live group, to the same step, and trained at full size from there.
+    to_steps = set()
+    for r in range(K):
+        log = logs[(VICTIM, r)]
+        restarted = [e for e in log if e["event"] == "start" and e["restart_count"] == 1]
+        assert len(restarted) == 1, [e for e in log if e["event"] == "start"]
+        pid = restarted[0]["pid"]
+        heals = [e for e in log if e["event"] == "heal" and e["pid"] == pid]
+        assert len(heals) == 1 and heals[0]["from_step"] == 0 and 0 < heals[0]["to_step"] < STEPS, heals
+        to_steps.add(heals[0]["to_step"])
+        after = [c for c in commits(log) if c["pid"] == pid]
+        assert after[0]["step"] == heals[0]["to_step"] and {c["world"] for c in after} == {2 * K}, after[:3]
+    assert len(to_steps) == 1, f"the group's workers healed to different steps: {to_steps}"
+
+    assert_exactly_once(logs, killed_at)
+    done = [[e for e in log if e["event"] == "done"] for log in logs.values()]
+    assert all(len(d) == 1 and d[0]["step"] == STEPS for d in done), done
+    assert len({d[0]["sha256"] for d in done}) == 1, "the workers ended with different weights"
+    print(f"\ngroups: healed to step {to_steps.pop()}; test {time.monotonic() - started:.1f}s")
+
+
+def assert_exactly_once(logs: dict[tuple[int, int], list[dict[str, Any]]], killed_at: float) -> None:
+    """Every step committed; its records agree on the membership, train the schedule's shares
+    for (groups x K, group index x K + group rank), and together cover the global batch once.
+    A share may lack its record only at the surviving group's first commit after the kill (a
+    victim worker killed after its gradients reached the quorum but before it logged)."""
+    plan = schedule()
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for worker, log in logs.items():
+        steps = [c["step"] for c in commits(log)]
+        assert steps == sorted(set(steps)), f"worker {worker} committed a step twice: {steps}"
+        for c in commits(log):
+            by_step[c["step"]].append({**c, "worker": worker})
+    assert sorted(by_step) == list(range(STEPS)), f"never committed: {set(range(STEPS)) - set(by_step)}"
+    first_after_kill = min(c["step"] for c in commits(logs[(SURVIVOR, 0)]) if c["time"] > killed_at)
+    trained: dict[int, Counter[int]] = defaultdict(Counter)
+    for step, records in sorted(by_step.items()):
+        worlds = {c["world"] for c in records}
+        assert len(worlds) == 1, f"step {step} committed by different memberships: {records}"
+        world = worlds.pop()
+        ranks = sorted(c["rank"] for c in records)
+        assert len(set(ranks)) == len(ranks), f"step {step}: two workers trained the same share"
+        for c in records:
+            assert c["rank"] % K == c["worker"][1], f"step {step}: member rank {c['rank']} is not group rank"
+            assert tuple(c["indices"]) == plan.share(step, world, c["rank"]).indices, f"step {step}: {c}"
+        missing = sorted(set(range(world)) - set(ranks))
+        if missing:
+            assert step == first_after_kill, f"step {step}: no record of shares {missing}"
+            assert {c["worker"][0] for c in records} == {SURVIVOR}, f"step {step}: {records}"
+        shares = [plan.share(step, world, r).indices for r in range(world)]
+        epoch, batch = plan.position(step)
+        expected = global_batches(plan.num_samples, BATCH, SEED, epoch)[batch].tolist()
+        assert [i for s in shares for i in s] == expected, f"step {step}: shares do not cover the global batch"
+        trained[epoch].update(i for s in shares for i in s)
+    for epoch, counts in trained.items():
+        assert max(counts.values()) == 1, f"epoch {epoch}: samples trained twice: {counts.most_common(3)}"
