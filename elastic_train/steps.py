@@ -25,7 +25,8 @@ whatever the membership. ``examples/char_lm.py --ft restart|quorum`` is one loop
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -106,17 +107,23 @@ class QuorumSteps:
     healing peer fetches (model, optimizer, scheduler, running sums).
 
     A group of K workers (one ``torchrun --nproc-per-node=K`` agent per group; the caller has
-    initialised the group's process group) trains DDP inside the group; the quorum averages
+    initialised the group's process group) trains DDP (``parallel="ddp"``) or FSDP2
+    (``parallel="fsdp"``: torchft's fault-tolerant HSDP shape, the shard dimension inside the
+    group, the replicate dimension managed by the quorum) inside the group; the quorum averages
     across groups, each worker with the worker of the same group rank in every other group, and
-    a restarted group heals worker by worker from a live group. The step's members are the
-    quorum's groups times K, so each trains ``1 / (groups x K)`` of the global batch."""
+    a restarted group heals worker by worker from a live group: under FSDP2 each worker fetches
+    only its own shard (``register_model`` / ``register_optimizer``), and nothing is gathered.
+    The step's members are the quorum's groups times K, so each trains ``1 / (groups x K)`` of the
+    global batch."""
 
-    def __init__(self, replica: Replica, schedule: QuorumSchedule) -> None:
-        self.replica, self.schedule = replica, schedule
+    def __init__(self, replica: Replica, schedule: QuorumSchedule, parallel: str = "ddp") -> None:
+        if parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"parallel={parallel!r}: choose 'ddp' or 'fsdp'")
+        self.replica, self.schedule, self.parallel = replica, schedule, parallel
         self.group_size = replica.group.world_size
-        if self.group_size > 1 and not torch.distributed.is_initialized():
+        if (self.group_size > 1 or parallel == "fsdp") and not torch.distributed.is_initialized():
             raise RuntimeError(
-                f"a replica group of {self.group_size} workers trains DDP inside the group: call "
+                f"a replica group of {self.group_size} workers trains {parallel.upper()} inside the group: call "
                 "torch.distributed.init_process_group() (torchrun's group) before QuorumSteps"
             )
 
@@ -125,14 +132,32 @@ class QuorumSteps:
         return self.replica.committed_steps
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        """One worker per group: the bare module (the average is one collective after backward
-        over whichever replicas the step's quorum holds). K workers: DDP inside the group first."""
+        """FSDP2: ``module`` sharded in place over the group (per repeated block, then the root).
+        DDP: the bare module for one worker per group (the average is one collective after
+        backward over whichever replicas the step's quorum holds), DDP inside a larger group."""
+        if self.parallel == "fsdp":
+            from elastic_train.distributed.fsdp import mesh_for, shard_model
+
+            device = next(module.parameters()).device
+            return shard_model(module, mesh_for(device, self.group_size))
         if self.group_size == 1:
             return module
         return DistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if _on_cuda(module) else None)
 
     def register_state(self, name: str, load: Callable[[T], None], state: Callable[[], T]) -> None:
         self.replica.register_state(name, load, state)
+
+    def register_model(self, name: str, module: nn.Module) -> None:
+        """The module's parameters and buffers, as this worker holds them: a sharded parameter
+        as its local shard, which the healing worker of the same group rank copies into its own."""
+        self.replica.register_state(name, partial(_load_module_shards, module), lambda: _local(module.state_dict()))
+
+    def register_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's state (moments, step counts) as this worker holds it: the moments of
+        a sharded parameter as their local shard, made sharded again on load."""
+        self.replica.register_state(
+            name, partial(_load_optimizer_shards, optimizer), lambda: _local(optimizer.state_dict())
+        )
 
     def begin_step(self) -> StepAttempt:
         return self.replica.begin_step(self.schedule)
@@ -143,7 +168,17 @@ class QuorumSteps:
         ``commit`` then votes the attempt down."""
         if self.group_size > 1 and extras:
             _average_in_group(extras, self.group_size)
-        return self.replica.average_gradients(parameters, extras)
+        if self.parallel == "ddp":
+            return self.replica.average_gradients(parameters, extras)
+        # FSDP2 reduce-scattered each gradient over the group; the quorum averages each worker's
+        # shard with the same shard of every other group (zeros for an unused parameter).
+        shards = []
+        for p in parameters:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                shards.append(_shard_of(p.grad))
+        return self.replica.average([*shards, *extras])
 
     def commit(self, apply: Callable[[], None]) -> bool:
         return self.replica.commit(apply)
@@ -164,3 +199,56 @@ def _average_in_group(tensors: Sequence[torch.Tensor], size: int) -> None:
 
 def _on_cuda(module: nn.Module) -> bool:
     return any(p.is_cuda for p in module.parameters())
+
+
+def _is_sharded(value: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _shard_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This worker's local shard of a DTensor (a view: writing it writes the DTensor), else the tensor."""
+    return tensor.to_local() if _is_sharded(tensor) else tensor  # type: ignore[attr-defined,no-any-return]
+
+
+def _local(state: T) -> T:
+    """``state`` with every DTensor replaced by its local shard: what a heal moves per worker."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: _shard_of(v) if isinstance(v, torch.Tensor) else v, state)  # type: ignore[no-any-return]
+
+
+@torch.no_grad()
+def _load_module_shards(module: nn.Module, incoming: dict[str, torch.Tensor]) -> None:
+    """Copy a peer's local shards into this worker's (same group rank: same shard shapes)."""
+    current = module.state_dict()
+    if set(incoming) != set(current):
+        raise ValueError(f"the peer's module state has other keys: {sorted(set(incoming) ^ set(current))[:5]}")
+    for key, value in incoming.items():
+        target = _shard_of(current[key])
+        if target.shape != value.shape:
+            raise ValueError(f"{key}: the peer's shard is {tuple(value.shape)}, this worker's {tuple(target.shape)}")
+        target.copy_(value)
+
+
+def _load_optimizer_shards(optimizer: torch.optim.Optimizer, incoming: dict[str, Any]) -> None:
+    """Load a peer's optimizer state whose sharded moments arrive as local shards: each becomes
+    a DTensor again, placed like the parameter it belongs to."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, values in incoming["state"].items():
+        param = params[int(index)]
+        if _is_sharded(param):
+            values = {
+                key: DTensor.from_local(
+                    v, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+                )
+                if isinstance(v, torch.Tensor) and v.shape == param.to_local().shape and v.dim() > 0
+                else v
+                for key, v in values.items()
+            }
+        state[index] = values
+    optimizer.load_state_dict({**incoming, "state": state})

@@ -189,12 +189,23 @@ class EventLog:
         self.file.write(json.dumps({"event": event, "time": time.time(), "pid": os.getpid(), **fields}) + "\n")
 
 
-def weights_sha256(model: nn.Module) -> str:
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights by name; a sharded (FSDP2) parameter gathered over its group, which
+    every worker of the group must call together."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().contiguous()
+        for name, value in sorted(model.state_dict().items())
+    }
+
+
+def weights_sha256(weights: dict[str, torch.Tensor]) -> str:
     """sha256 of the weights (name, dtype, shape, bytes, by name): equal means bitwise equal."""
     digest = hashlib.sha256()
-    for name, value in sorted(model.state_dict().items()):
+    for name, value in sorted(weights.items()):
         digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}\n".encode())
-        digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(value.view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -214,6 +225,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     restart.add_argument("--hang-timeout", type=float, default=60.0)
     quorum = p.add_argument_group("quorum mode")
     quorum.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"), help="http://host:port")
+    quorum.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="inside a replica group of several workers: DDP, or FSDP2 (each worker holds a shard)",
+    )
     quorum.add_argument("--replica-group", type=int, default=int(os.environ.get("REPLICA_GROUP_ID", "0")))
     quorum.add_argument("--log-dir", type=Path, default=Path("logs/char_lm"))
     p.add_argument(
@@ -226,6 +243,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     quorum.add_argument("--collective-timeout", type=float, default=2.0, help="seconds a collective waits for a peer")
     quorum.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds a step waits for a quorum")
     args = p.parse_args(argv)
+    if args.ft == "restart" and args.parallel != "ddp":
+        p.error("--parallel fsdp is this example's quorum mode; restart mode's FSDP2 is the trainer's --parallel fsdp")
     if args.ft == "quorum" and not args.lighthouse:
         p.error("--ft quorum needs a Lighthouse: pass --lighthouse http://host:port or set TORCHFT_LIGHTHOUSE")
     return args
@@ -328,6 +347,8 @@ def evaluate(run: Run) -> float:
         sums += torch.stack([loss.double(), torch.tensor(float(targets.numel()), device=run.device)])
     if run.val_world > 1:
         torch.distributed.all_reduce(sums)
+    if run.args.parallel == "fsdp":
+        et.reshard_all(run.model)  # a forward without backward leaves the root's parameters gathered
     return float(sums[0] / sums[1])
 
 
@@ -341,8 +362,12 @@ def build(args: argparse.Namespace, device: torch.device) -> Run:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     schedule = et.QuorumSchedule(len(train_set), args.batch_size, args.seed)
     total = args.steps if args.steps is not None else args.epochs * schedule.batches_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / (total + 1))
+    scheduler = lr_schedule(optimizer, total)
     return Run(args, model, model, dropout, train_set, val_set, optimizer, scheduler, LossSums(), device, total)
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / (total + 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -452,7 +477,7 @@ def quorum_mode(args: argparse.Namespace) -> int:
     group = et.DistEnv.from_environ()
     placement = et.choose_placement("cpu", group)
     with contextlib.ExitStack() as stack:
-        if group.world_size > 1:
+        if group.world_size > 1 or args.parallel == "fsdp":
             stack.enter_context(et.process_group(group, placement, timeout_s=120.0))
         return quorum_replica(args, group)
 
@@ -470,11 +495,18 @@ def quorum_replica(args: argparse.Namespace, group: et.DistEnv) -> int:
     log = EventLog(args.log_dir / f"{name}.jsonl")
     log.write("start", replica=config.replica_id, group_rank=group.rank, restart_count=group.restart_count)
     with et.Replica(config) as replica:
-        steps = et.QuorumSteps(replica, et.QuorumSchedule(len(run.train_set), args.batch_size, args.seed))
+        schedule = et.QuorumSchedule(len(run.train_set), args.batch_size, args.seed)
+        steps = et.QuorumSteps(replica, schedule, parallel=args.parallel)
         run.forward = steps.wrap(run.model)
-        # What a healing replica fetches from a live peer (a copy taken at the step boundary).
-        steps.register_state("model", run.model.load_state_dict, run.model.state_dict)
-        steps.register_state("optimizer", run.optimizer.load_state_dict, run.optimizer.state_dict)
+        if args.parallel == "fsdp":  # the optimizer must hold the sharded parameters
+            run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=args.lr)
+            run.scheduler = lr_schedule(run.optimizer, run.total_steps)
+        # What a healing worker fetches from the same group rank of a live group (a copy taken at
+        # the step boundary): under FSDP2 its own shards only.
+        steps.register_model("model", run.model)
+        steps.register_optimizer("optimizer", run.optimizer)
+        held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in run.model.parameters())
+        log.write("model", parallel=args.parallel, elements=sum(p.numel() for p in run.model.parameters()), held=held)
         steps.register_state("scheduler", run.scheduler.load_state_dict, run.scheduler.state_dict)
         steps.register_state("loss_sums", run.sums.load, run.sums.state)
 
@@ -505,8 +537,9 @@ def quorum_replica(args: argparse.Namespace, group: et.DistEnv) -> int:
 
         run.after_begin, run.after_commit, run.on_discard = after_begin, after_commit, on_discard
         code = train(steps, run)
-        digest = weights_sha256(run.model)
-        save_file(run.model.state_dict(), str(args.log_dir / f"{name}.final.safetensors"))
+        weights = full_weights(run.model)
+        digest = weights_sha256(weights)
+        save_file(weights, str(args.log_dir / f"{name}.final.safetensors"))
         log.write("done", step=steps.committed_steps, sha256=digest, train_loss=run.sums.mean)
         print(f"final step={steps.committed_steps} train_loss={run.sums.mean:.4f} sha256={digest}", flush=True)
         return code

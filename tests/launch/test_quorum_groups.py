@@ -1,11 +1,13 @@
-"""Replica groups of several workers (issue 20, first step): DDP inside a group, the quorum across.
+"""Replica groups of several workers (issue 20, first step): DDP or FSDP2 inside a group, the
+quorum across (torchft's fault-tolerant HSDP shape, on CPU gloo).
 
 Two groups of two workers each (one ``torchrun --nproc-per-node=2`` agent per group) run
-examples/char_lm.py --ft quorum. SIGKILL one worker of group 1: its agent restarts the whole
-group, group 0 keeps committing alone (never restarted), and the restarted group heals worker by
-worker (each from the live group's worker of the same group rank) and trains with it again.
-Whatever the membership, every committed step trains its global batch exactly once, cut over the
-quorum's groups x 2 workers, and all four workers end with the same weights.
+examples/char_lm.py --ft quorum --parallel ddp|fsdp. SIGKILL one worker of group 1: its agent
+restarts the whole group, group 0 keeps committing alone (never restarted), and the restarted
+group heals worker by worker (each from the live group's worker of the same group rank; under
+FSDP2 only that worker's shards move) and trains with it again. Whatever the membership, every
+committed step trains its global batch exactly once, cut over the quorum's groups x 2 workers,
+and all four workers end with the same (gathered) weights.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Groups:
     lighthouse: Lighthouse
     agents: dict[int, subprocess.Popen[bytes]]
 
-    def start(self, group: int) -> None:
+    def start(self, group: int, parallel: str) -> None:
         command = [
             str(BIN / "torchrun"),
             "--standalone",
@@ -58,6 +60,8 @@ class Groups:
             SCRIPT,
             *RUN,
             *PADDED,
+            "--parallel",
+            parallel,
             "--lighthouse",
             self.lighthouse.address,
             "--log-dir",
@@ -119,12 +123,13 @@ def commits(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_group_heals_worker_by_worker(
-    groups: Groups,
+    groups: Groups, parallel: str
 ) -> None:
     started = time.monotonic()
-    groups.start(SURVIVOR)
-    groups.start(VICTIM)
+    groups.start(SURVIVOR, parallel)
+    groups.start(VICTIM, parallel)
     workers = [(g, r) for g in (SURVIVOR, VICTIM) for r in range(K)]
 
     def all_together_past(step: int) -> bool:
@@ -162,12 +167,18 @@ def test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_gro
         after = [c for c in commits(log) if c["pid"] == pid]
         assert after[0]["step"] == heals[0]["to_step"] and {c["world"] for c in after} == {2 * K}, after[:3]
     assert len(to_steps) == 1, f"the group's workers healed to different steps: {to_steps}"
+    # What each worker holds, and so what a heal moves to it: under FSDP2 its own shard (half the
+    # parameters, give or take a row of an uneven dimension), under DDP the whole model.
+    for (g, r), log in logs.items():
+        for model in (e for e in log if e["event"] == "model"):
+            share = model["held"] / model["elements"]
+            assert (0.45 < share < 0.55) if parallel == "fsdp" else share == 1.0, (g, r, model)
 
     assert_exactly_once(logs, killed_at)
     done = [[e for e in log if e["event"] == "done"] for log in logs.values()]
     assert all(len(d) == 1 and d[0]["step"] == STEPS for d in done), done
     assert len({d[0]["sha256"] for d in done}) == 1, "the workers ended with different weights"
-    print(f"\ngroups: healed to step {to_steps.pop()}; test {time.monotonic() - started:.1f}s")
+    print(f"\ngroups ({parallel}): healed to step {to_steps.pop()}; test {time.monotonic() - started:.1f}s")
 
 
 def assert_exactly_once(logs: dict[tuple[int, int], list[dict[str, Any]]], killed_at: float) -> None:
