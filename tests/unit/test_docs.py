@@ -83,6 +83,20 @@ COVERED_BY.update(
         ),
     }
 )
+GROUPS = "tests/launch/test_quorum_groups.py::"
+COVERED_BY.update(
+    {
+        # "Replica groups of several workers": one agent per group, as the test starts them (it adds
+        # the run's size flags and its own Lighthouse's address).
+        r"for g in 0 1; do": GROUPS
+        + "test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_group_heals_worker_by_worker",
+        r"REPLICA_GROUP_ID=\$g torchrun --standalone --nproc-per-node=2 --max-restarts=3 examples/char_lm\.py "
+        r"--ft quorum --parallel fsdp --lighthouse http://127\.0\.0\.1:29510 &": GROUPS
+        + "test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_group_heals_worker_by_worker",
+        r"done; wait": GROUPS
+        + "test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_group_heals_worker_by_worker",
+    }
+)
 CLUSTER_EXAMPLE = [r"--gpus", r"--nproc_per_node=4", r"apptainer", r"ET_CONTAINER="]
 
 
