@@ -26,7 +26,7 @@ statistics, binomial coverage: ``overhead.median_interval``):
   asynchronous one (a CPU staging copy of the rank's shard first), against the bound
   (state bytes / ranks) + the writer's fixed 16 MiB buffer. Target <= 1.0.
 
-    python benchmarks/fsdp.py [--quick] [--rounds 6] [--steps 8] [--save-mb 384] [--memory-mb 1152]
+    python benchmarks/fsdp.py [--quick] [--rounds 12] [--steps 8] [--save-mb 384] [--memory-mb 1152]
                               [--dir PATH] [--json out.json]
 """
 
@@ -68,7 +68,7 @@ CPU = torch.device("cpu")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 CLEAR_REFS = Path("/proc/self/clear_refs")
 TARGETS = {"throughput": 0.97, "save": 1.0, "load": 1.0, "memory": 1.0}
-FULL = {"rounds": 6, "steps": 8, "batch": 128, "save_mb": 384, "memory_mb": 1152}
+FULL = {"rounds": 12, "steps": 8, "batch": 128, "save_mb": 384, "memory_mb": 1152}
 QUICK = {"rounds": 2, "steps": 4, "batch": 128, "save_mb": 96, "memory_mb": 192}
 
 
@@ -729,7 +729,7 @@ def report(r: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and 2 rounds: a pipeline check")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per measure (6; quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per measure (12; quick 2)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per throughput epoch (8; quick 4)")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch of the throughput measure (128)")
     parser.add_argument("--save-mb", type=int, default=None, help="state of the save/load measure, MiB (384; quick 96)")

@@ -31,7 +31,7 @@ FULL = {
     "overhead": ["--repeats", "21", "--epochs", "4", "--steps", "12"],
     "checkpoint": ["--repeats", "5", "--mb", "1152", "--saves", "5", "--every", "12"],  # a 1.2 GB state
     # 6 interleaved rounds a measure (the fewest with a 95% interval of the median): ~12 minutes.
-    "fsdp": ["--rounds", "6", "--steps", "8", "--save-mb", "384", "--memory-mb", "1152"],
+    "fsdp": ["--rounds", "12", "--steps", "8", "--save-mb", "384", "--memory-mb", "1152"],
     # Recovery times only: goodput under failures is goodput.py's, for every mode alike.
     "recovery": ["--repeats", "3", "--soak", "0", "--launcher", "torchrun"],
     "recovery-warm": ["--repeats", "3", "--soak", "0", "--launcher", "warm"],

@@ -18,6 +18,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,20 +69,36 @@ def fsync_dir(folder: Path) -> None:
 
 
 class HashingWriter:
-    """An open temporary file that hashes (sha256, xxh3-128) everything written to it."""
+    """An open temporary file that hashes (sha256, xxh3-128) everything written to it.
+
+    sha256 is ~9x slower than xxh3 (0.18 s against 0.02 s for 200 MB here, as long as writing
+    the bytes): it runs on a thread of its own, fed in write order, so that it overlaps the
+    writes and the fsync after them (hashlib releases the GIL) instead of adding to them.
+    ``entry`` waits for it. The bytes written must stay unchanged until then: a bytes object,
+    or a tensor's memory that the (blocking) save holds still.
+    """
 
     def __init__(self, fh: BinaryIO) -> None:
         self.fh, self.size = fh, 0
         self._sha, self._fast = hashlib.sha256(), xxhash.xxh3_128()
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+        self._updates: list[Future[None]] = []
 
     def write(self, data: bytes | memoryview) -> None:
         self.fh.write(data)
-        self._sha.update(data)
         self._fast.update(data)
+        self._updates.append(self._hasher.submit(self._sha.update, data))
         self.size += memoryview(data).nbytes
 
     def entry(self) -> FileEntry:
+        self._hasher.shutdown(wait=True)
+        for update in self._updates:
+            update.result()  # re-raises a failed update
         return FileEntry(size=self.size, sha256=self._sha.hexdigest(), xxh3=self._fast.hexdigest())
+
+    def abandon(self) -> None:
+        """The write failed: drop the queued hashing."""
+        self._hasher.shutdown(wait=True, cancel_futures=True)
 
 
 @contextmanager
@@ -92,14 +109,18 @@ def atomic_file(path: Path, before_rename: Callable[[], None] | None = None) -> 
     ``before_rename`` is a hook for fault injection (a full disk at the last moment).
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer: HashingWriter | None = None
     try:
         with tmp.open("wb", buffering=0) as fh:
-            yield HashingWriter(fh)
+            writer = HashingWriter(fh)
+            yield writer
             os.fsync(fh.fileno())
         if before_rename is not None:
             before_rename()
         os.replace(tmp, path)
     except BaseException:
+        if writer is not None:
+            writer.abandon()
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
