@@ -242,6 +242,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     quorum.add_argument("--collective-timeout", type=float, default=2.0, help="seconds a collective waits for a peer")
     quorum.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds a step waits for a quorum")
+    quorum.add_argument(
+        "--group-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a collective inside a replica group of several workers waits: a frozen worker "
+        "takes its group out after this long (the other groups go on after --collective-timeout)",
+    )
     args = p.parse_args(argv)
     if args.ft == "restart" and args.parallel != "ddp":
         p.error("--parallel fsdp is this example's quorum mode; restart mode's FSDP2 is the trainer's --parallel fsdp")
@@ -478,7 +485,7 @@ def quorum_mode(args: argparse.Namespace) -> int:
     placement = et.choose_placement("cpu", group)
     with contextlib.ExitStack() as stack:
         if group.world_size > 1 or args.parallel == "fsdp":
-            stack.enter_context(et.process_group(group, placement, timeout_s=120.0))
+            stack.enter_context(et.process_group(group, placement, timeout_s=args.group_timeout))
         return quorum_replica(args, group)
 
 

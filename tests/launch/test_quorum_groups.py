@@ -12,6 +12,7 @@ and all four workers end with the same (gathered) weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -51,7 +52,7 @@ class Groups:
     lighthouse: Lighthouse
     agents: dict[int, subprocess.Popen[bytes]]
 
-    def start(self, group: int, parallel: str) -> None:
+    def start(self, group: int, parallel: str, *extra: str) -> None:
         command = [
             str(BIN / "torchrun"),
             "--standalone",
@@ -62,6 +63,7 @@ class Groups:
             *PADDED,
             "--parallel",
             parallel,
+            *extra,
             "--lighthouse",
             self.lighthouse.address,
             "--log-dir",
@@ -187,7 +189,9 @@ def test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_gro
     )
 
 
-def assert_exactly_once(logs: dict[tuple[int, int], list[dict[str, Any]]], killed_at: float) -> None:
+def assert_exactly_once(
+    logs: dict[tuple[int, int], list[dict[str, Any]]], killed_at: float, steps: int = STEPS
+) -> None:
     """Every step committed; its records agree on the membership, train the schedule's shares
     for (groups x K, group index x K + group rank), and together cover the global batch once.
     A share may lack its record only at the surviving group's first commit after the kill (a
@@ -195,11 +199,11 @@ def assert_exactly_once(logs: dict[tuple[int, int], list[dict[str, Any]]], kille
     plan = schedule()
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for worker, log in logs.items():
-        steps = [c["step"] for c in commits(log)]
-        assert steps == sorted(set(steps)), f"worker {worker} committed a step twice: {steps}"
+        mine = [c["step"] for c in commits(log)]
+        assert mine == sorted(set(mine)), f"worker {worker} committed a step twice: {mine}"
         for c in commits(log):
             by_step[c["step"]].append({**c, "worker": worker})
-    assert sorted(by_step) == list(range(STEPS)), f"never committed: {set(range(STEPS)) - set(by_step)}"
+    assert sorted(by_step) == list(range(steps)), f"never committed: {set(range(steps)) - set(by_step)}"
     first_after_kill = min(c["step"] for c in commits(logs[(SURVIVOR, 0)]) if c["time"] > killed_at)
     trained: dict[int, Counter[int]] = defaultdict(Counter)
     for step, records in sorted(by_step.items()):
@@ -222,3 +226,65 @@ def assert_exactly_once(logs: dict[tuple[int, int], list[dict[str, Any]]], kille
         trained[epoch].update(i for s in shares for i in s)
     for epoch, counts in trained.items():
         assert max(counts.values()) == 1, f"epoch {epoch}: samples trained twice: {counts.most_common(3)}"
+
+
+# A frozen worker's group leaves the quorum when the other groups' collectives with it time out
+# (--collective-timeout, 2 s); its own group notices when a collective inside the group times
+# out (--group-timeout) or its quorum does (--quorum-timeout), and its agent restarts it, after
+# torchrun's fixed 30 s wait for the frozen worker to act on SIGTERM (it cannot) before SIGKILL:
+# the run lasts long enough (160 padded steps, ~64 s) for the group to come back before the end.
+FROZEN = ["--group-timeout", "8", "--quorum-timeout", "8", "--steps", "160"]
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_worker_takes_its_group_out_the_other_group_commits_on_and_the_group_heals(groups: Groups) -> None:
+    started = time.monotonic()
+    groups.start(SURVIVOR, "ddp", *FROZEN)
+    groups.start(VICTIM, "ddp", *FROZEN)
+    workers = [(g, r) for g in (SURVIVOR, VICTIM) for r in range(K)]
+
+    def all_together_past(step: int) -> bool:
+        return all(
+            any(c["world"] == 2 * K and c["step"] >= step for c in commits(groups.log(g, r))) for g, r in workers
+        )
+
+    groups.until("both groups training together", lambda: all_together_past(8), timeout=150)
+    frozen_pid = groups.log(VICTIM, 1)[0]["pid"]
+    os.kill(frozen_pid, signal.SIGSTOP)  # a hung host: sockets stay open, nothing answers
+    frozen_at = time.time()
+    try:
+        groups.until(
+            "the other group committing alone",
+            lambda: any(c["time"] > frozen_at and c["world"] == K for c in commits(groups.log(SURVIVOR, 0))),
+            timeout=60,
+        )
+        alone_at = time.time()
+        codes = groups.wait(timeout=200)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen_pid, signal.SIGCONT)
+    assert codes == {SURVIVOR: 0, VICTIM: 0}, groups.output()
+    logs = {(g, r): groups.log(g, r) for g, r in workers}
+    steps = int(FROZEN[FROZEN.index("--steps") + 1])
+    for r in range(K):  # the other group was never restarted and ended with the healed one
+        log = logs[(SURVIVOR, r)]
+        assert [e["restart_count"] for e in log if e["event"] == "start"] == [0]
+        worlds = [c["world"] for c in commits(log) if c["time"] > frozen_at]
+        assert K in worlds and worlds[-1] == 2 * K, worlds
+    back = []
+    for r in range(K):  # the frozen group was restarted once and each worker healed
+        log = logs[(VICTIM, r)]
+        restarted = [e for e in log if e["event"] == "start" and e["restart_count"] == 1]
+        assert len(restarted) == 1, [e for e in log if e["event"] == "start"]
+        heals = [e for e in log if e["event"] == "heal" and e["pid"] == restarted[0]["pid"]]
+        assert len(heals) == 1 and 0 < heals[0]["to_step"] < steps, heals
+        back.append(heals[0]["time"] - frozen_at)
+    assert_exactly_once(logs, frozen_at, steps)
+    done = [[e for e in log if e["event"] == "done"] for log in logs.values()]
+    assert all(len(d) == 1 and d[0]["step"] == steps for d in done), done
+    assert len({d[0]["sha256"] for d in done}) == 1, "the workers ended with different weights"
+    print(
+        f"\nfrozen worker: the other group committed alone {alone_at - frozen_at:.2f}s after the SIGSTOP "
+        f"(collective timeout 2 s); the frozen group was back {max(back):.1f}s after it (group timeout 8 s); "
+        f"test {time.monotonic() - started:.1f}s"
+    )
