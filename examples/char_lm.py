@@ -243,6 +243,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     quorum.add_argument("--collective-timeout", type=float, default=2.0, help="seconds a collective waits for a peer")
     quorum.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds a step waits for a quorum")
     quorum.add_argument(
+        "--peer-silence",
+        type=float,
+        default=3.0,
+        help="seconds a worker of a replica group may stay silent before its group leaves the quorum "
+        "(a frozen worker; the other groups go on)",
+    )
+    quorum.add_argument(
         "--group-timeout",
         type=float,
         default=120.0,
@@ -496,6 +503,7 @@ def quorum_replica(args: argparse.Namespace, group: et.DistEnv) -> int:
         args.replica_group,
         collective_timeout_s=args.collective_timeout,
         quorum_timeout_s=args.quorum_timeout,
+        peer_silence_s=args.peer_silence,
     )
     # One event file per worker: replica_<g>.jsonl, replica_<g>.rank<r>.jsonl in a group of several.
     name = config.replica_id if group.world_size == 1 else f"{config.replica_id}.rank{group.rank}"

@@ -59,6 +59,7 @@ from torch.distributed import AllreduceOptions, ReduceOp
 
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum import identity
+from elastic_train.quorum.group_watch import GroupWatch
 from elastic_train.quorum.names import HOST_VAR, SECRET_VAR
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
 
@@ -102,6 +103,11 @@ class ReplicaConfig:
     # of every replica). A request that hangs (a frozen or unreachable Lighthouse) is not helped:
     # each try may wait the whole quorum timeout; the worker's own wait is bounded by it.
     lighthouse_retry_s: float = 0.25
+    # A replica group of several workers: a worker whose liveness counter in the group's store
+    # has not moved for this long is taken for frozen, and every other worker of the group exits
+    # (``group_watch``), so that the group leaves the quorum within about this long plus the
+    # Lighthouse's heartbeat timeout. Above any stretch a worker's Python keeps the GIL.
+    peer_silence_s: float = 3.0
     # Advertised to peers (the state transfer, the group's store): must reach this host from
     # theirs. HOST_VAR overrides the host name (e.g. an address where names do not resolve).
     hostname: str = field(default_factory=lambda: os.environ.get(HOST_VAR) or socket.gethostname())
@@ -121,7 +127,14 @@ class ReplicaConfig:
             raise ValueError(f"replica name {self.name!r} ends in a digit: torchft would read it as the group index")
         if not self.name or any(c in self.name for c in "@:_"):
             raise ValueError(f"replica name {self.name!r} is empty or holds '@', ':' or '_' (replica id separators)")
-        timeouts = ("collective_timeout_s", "timeout_s", "quorum_timeout_s", "connect_timeout_s", "lighthouse_retry_s")
+        timeouts = (
+            "collective_timeout_s",
+            "timeout_s",
+            "quorum_timeout_s",
+            "connect_timeout_s",
+            "lighthouse_retry_s",
+            "peer_silence_s",
+        )
         for what in timeouts:
             if getattr(self, what) <= 0:
                 raise ValueError(f"{what} must be positive, got {getattr(self, what)}")
@@ -283,10 +296,17 @@ class Replica:
         identity.guard_quorum(self.manager, config.job, config.member_id, config.lighthouse)
         if group.rank == 0 and group.world_size > 1:
             self._store_client(store_addr, store_port).set(ready, "1")
+        self._watch: GroupWatch | None = None
+        if group.world_size > 1:
+            store = self._store_client(store_addr, store_port, timeout_s=config.peer_silence_s)
+            watch = GroupWatch(store, group.attempt, group.rank, group.world_size, config.peer_silence_s)
+            self._watch = watch.start()
 
     @staticmethod
-    def _store_client(addr: str, port: int) -> Any:
-        return torch.distributed.TCPStore(addr, port, is_master=False, wait_for_workers=False)  # type: ignore[attr-defined]
+    def _store_client(addr: str, port: int, timeout_s: float = 300.0) -> Any:
+        return torch.distributed.TCPStore(  # type: ignore[attr-defined]
+            addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
 
     @property
     def quorum_id(self) -> int:
@@ -440,6 +460,8 @@ class Replica:
     def close(self) -> None:
         """Stop the Manager's server and state transfer; peers drop this replica from the next
         quorum after the Lighthouse's heartbeat timeout."""
+        if self._watch is not None:
+            self._watch.stop()
         self.manager.shutdown(wait=False)
 
     def __enter__(self) -> Replica:
