@@ -474,7 +474,13 @@ def restart_mode(args: argparse.Namespace) -> int:
             run.before_apply = checkpointer.wait_staged
             run.after_commit, run.after_epoch = after_commit, after_epoch
             watchdog.start()
-            code = train(steps, run)
+            if steps.committed_steps >= run.total_steps:  # stopped on the last step: close the run
+                val_loss = evaluate(run)
+                if env.is_main:
+                    print(f"final: step {steps.committed_steps}, val_loss={val_loss:.4f}", flush=True)
+                code = after_epoch(True) or 0
+            else:
+                code = train(steps, run)
             if code == 0 and env.is_main:
                 print(f"done train_loss={run.sums.mean:.4f}", flush=True)
             return code

@@ -1,8 +1,8 @@
 """A replica group of several workers leaves the quorum as soon as one of its workers freezes.
 
 The Lighthouse learns that a group is alive from its Manager server, which runs in the group's
-rank 0 only. When another worker of the group freezes (SIGSTOP, a hung host process, a GPU
-stuck in a kernel), rank 0 keeps heartbeating, and torchft's Lighthouse will not form a quorum
+rank 0 only. When another worker of the group freezes (SIGSTOP, a process the kernel no longer
+schedules), rank 0 keeps heartbeating, and torchft's Lighthouse will not form a quorum
 from a minority of the groups it sees as healthy (its guard against split brain). With two
 groups the survivors then wait until the frozen group's own collectives time out, measured at
 the whole ``--group-timeout`` (9.1 s with 8 s) instead of the ~2 s a dead peer costs.
@@ -13,12 +13,23 @@ watches the others' counters. A counter that has not moved for ``silence_s`` (by
 own monotonic clock: no clocks are compared across processes) means a frozen peer: the worker
 exits at once (``ExitCode.HUNG``), SIGKILLing the frozen peer first when it runs on this host
 (torchrun's agent would otherwise wait a fixed 30 s for it to act on SIGTERM, which a stopped
-process never does, before it restarts the group), so rank 0's heartbeats stop, the Lighthouse drops the group
-after its heartbeat timeout, and the other groups form their quorum without it. The agent
-restarts the group and it heals. A store that does not answer within ``silence_s`` (a frozen
-agent) counts as silence too. A thread runs only when the main thread lets go of the GIL, which
-every collective, sleep and kernel does; a Python loop that never yields for ``silence_s``
-would read as frozen (choose ``silence_s`` above any such stretch).
+process never does, before it restarts the group), so rank 0's heartbeats stop, the Lighthouse
+drops the group after its heartbeat timeout, and the other groups form their quorum without it.
+The agent restarts the group and it heals. A store that does not answer within ``silence_s`` (a
+frozen agent) counts as silence too.
+
+What it does not see, and what it could misread:
+
+* liveness is the watch thread's, not training progress: a main thread stuck in a call that
+  releases the GIL (a deadlocked collective, a hung CUDA kernel or file system) keeps beating;
+  that case ends at the group's collective timeout (``--group-timeout``);
+* a C call that holds the GIL for longer than ``silence_s`` starves the thread (Python switches
+  threads every 5 ms otherwise); serialising a very large shard for a healing peer may be one
+  (not measured): choose ``silence_s`` above any such stretch;
+* a pause of the whole group (a VM or job suspend) is not a freeze of one worker: a watcher
+  whose own loop was late by more than half the bound judges nobody that round, only re-reads;
+* a peer that has not published yet is given ``startup_s`` from this watcher's start (its imports
+  and its Manager's connection may lag this one's).
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ class GroupWatch:
         interval_s: float | None = None,
         on_silent: Callable[[str], None] = _exit_hung,
         kill_silent_peer: bool = True,
+        startup_s: float | None = None,
     ) -> None:
         if silence_s <= 0:
             raise ValueError(f"silence_s must be positive, got {silence_s}")
@@ -63,6 +75,7 @@ class GroupWatch:
         self.interval_s = interval_s if interval_s is not None else min(0.2, silence_s / 5)
         self.prefix = f"elastic_train/alive/{attempt}/"
         self.on_silent, self.kill_silent_peer = on_silent, kill_silent_peer
+        self.startup_s = startup_s if startup_s is not None else silence_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="group-watch", daemon=True)
         self._beats = 0
@@ -73,14 +86,16 @@ class GroupWatch:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop watching, and tell the peers this worker left on purpose (a worker that finishes
-        first must not read as frozen to one still writing its last files)."""
+    def stop(self, left: bool = True) -> None:
+        """Stop watching. ``left``: tell the peers this worker finished on purpose (one that
+        finishes first must not read as frozen to one still writing its last files); after a
+        failure it stays silent, so that its peers notice."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.silence_s + 1.0)
-        with contextlib.suppress(Exception):  # the agent's store is gone too: nobody is left to tell
-            self.store.set(f"{self.prefix}{self.rank}", LEFT)
+        if left:
+            with contextlib.suppress(Exception):  # the agent's store is gone too: nobody is left to tell
+                self.store.set(f"{self.prefix}{self.rank}", LEFT)
 
     def _kill(self, peer: int) -> None:
         """SIGKILL a silent peer on this host (a stopped process cannot act on the agent's SIGTERM)."""
@@ -100,13 +115,16 @@ class GroupWatch:
 
     def _run(self) -> None:
         seen: dict[int, tuple[bytes | None, float]] = {}
-        started = time.monotonic()
+        started = last_round = time.monotonic()
         peers = [r for r in range(self.world) if r != self.rank]
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
+            # This thread itself ran late (the whole group paused, or the host was starved):
+            # the peers had no chance to beat either. Restart every peer's clock, judge nobody.
+            stalled = now - last_round > self.interval_s + self.silence_s / 2
+            last_round = now
             try:
                 self._beat()
-                # Only peers that have published (a peer still starting counts from our start).
                 present = [r for r in peers if self.store.check([f"{self.prefix}{r}"])]
                 values = dict(zip(present, self.store.multi_get([f"{self.prefix}{r}" for r in present]), strict=True))
             except Exception as exc:  # the store did not answer within its timeout: a frozen agent
@@ -118,14 +136,22 @@ class GroupWatch:
                 value = values.get(peer)
                 if value == LEFT.encode():
                     continue
-                last_value, since = seen.get(peer, (None, started))
-                if value != last_value:
+                if value is None:  # not published yet: still starting, up to startup_s
+                    if now - started > self.startup_s:
+                        self._leave(peer, now - started)
+                        return
+                    continue
+                last_value, since = seen.get(peer, (None, now))
+                if value != last_value or stalled:
                     seen[peer] = (value, now)
                 elif now - since > self.silence_s:
-                    self._kill(peer)
-                    self.on_silent(
-                        f"group watch: worker {peer} of this replica group has been silent for "
-                        f"{now - since:.1f}s (frozen?); worker {self.rank} leaves so the group drops "
-                        "out of the quorum and its agent restarts it"
-                    )
+                    self._leave(peer, now - since)
                     return
+
+    def _leave(self, peer: int, silent_s: float) -> None:
+        self._kill(peer)
+        self.on_silent(
+            f"group watch: worker {peer} of this replica group has been silent for {silent_s:.1f}s "
+            f"(frozen?); worker {self.rank} leaves so the group drops out of the quorum and its agent "
+            "restarts it"
+        )

@@ -267,12 +267,26 @@ class Replica:
             )
             self._own_store = store
             store_addr, store_port = config.hostname, int(store.port)
+        self._watch: GroupWatch | None = None
+        if group.world_size > 1:  # first thing: the Manager's start-up below may take seconds
+            store = self._store_client(store_addr, store_port, timeout_s=config.peer_silence_s)
+            watch = GroupWatch(
+                store,
+                group.attempt,
+                group.rank,
+                group.world_size,
+                config.peer_silence_s,
+                startup_s=config.connect_timeout_s + config.peer_silence_s,  # a peer's imports may lag
+            )
+            self._watch = watch.start()
         ready = f"elastic_train/replica_ready/{group.attempt}"
         if group.rank != 0:
             # The group's Manager server runs on group rank 0, which publishes its address in the
             # agent's store under fixed keys; the store outlives a restart of the group, so a
             # worker reading before rank 0 wrote would connect to the previous attempt's server.
-            self._store_client(store_addr, store_port).wait([ready], timedelta(seconds=config.connect_timeout_s))
+            # Rank 0 may itself take up to the connection timeout to reach the Lighthouse.
+            wait = timedelta(seconds=config.connect_timeout_s + config.timeout_s)
+            self._store_client(store_addr, store_port).wait([ready], wait)
         self.manager: Any = Manager(
             pg=ProcessGroupGloo(timeout=timedelta(seconds=config.collective_timeout_s)),
             load_state_dict=None,  # state comes from register_state, one entry per component
@@ -296,11 +310,6 @@ class Replica:
         identity.guard_quorum(self.manager, config.job, config.member_id, config.lighthouse)
         if group.rank == 0 and group.world_size > 1:
             self._store_client(store_addr, store_port).set(ready, "1")
-        self._watch: GroupWatch | None = None
-        if group.world_size > 1:
-            store = self._store_client(store_addr, store_port, timeout_s=config.peer_silence_s)
-            watch = GroupWatch(store, group.attempt, group.rank, group.world_size, config.peer_silence_s)
-            self._watch = watch.start()
 
     @staticmethod
     def _store_client(addr: str, port: int, timeout_s: float = 300.0) -> Any:
@@ -457,11 +466,12 @@ class Replica:
             os._exit(EXIT_AFTER_COMMIT_FAILED)
         return True
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
         """Stop the Manager's server and state transfer; peers drop this replica from the next
-        quorum after the Lighthouse's heartbeat timeout."""
+        quorum after the Lighthouse's heartbeat timeout. ``clean``: this worker finished, and its
+        group's other workers should not take its silence for a freeze."""
         if self._watch is not None:
-            self._watch.stop()
+            self._watch.stop(left=clean)
         self.manager.shutdown(wait=False)
 
     def __enter__(self) -> Replica:
@@ -470,4 +480,4 @@ class Replica:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(clean=exc_type is None)

@@ -34,7 +34,7 @@ from examples.char_lm import splits
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged, read_jsonl
 
 SCRIPT = str(ROOT / "examples" / "char_lm.py")
-STEPS, BATCH, CHARS, CONTEXT, SEED = 70, 16, 20_000, 32, 0  # 35 steps per epoch: 2 epochs
+STEPS, BATCH, CHARS, CONTEXT, SEED = 50, 16, 20_000, 32, 0  # 35 steps per epoch: 2 epochs, the second cut short
 K = 2  # workers per replica group
 RUN = ["--ft", "quorum", "--steps", str(STEPS), "--batch-size", str(BATCH), "--chars", str(CHARS)]
 PADDED = ["--step-time", "0.4"]  # keeps the short run going while the killed group restarts
@@ -234,7 +234,7 @@ def assert_exactly_once(
 # is SIGKILLed (torchrun would wait a fixed 30 s for it to act on SIGTERM) and the rest exit, so
 # the group drops out and its agent restarts it. --group-timeout and --quorum-timeout bound what
 # the watch does not see.
-FROZEN = ["--group-timeout", "8", "--quorum-timeout", "8", "--steps", "100"]
+FROZEN = ["--group-timeout", "8", "--quorum-timeout", "8", "--steps", "70"]
 
 
 @pytest.mark.timeout(300)
@@ -265,6 +265,10 @@ def test_a_frozen_worker_takes_its_group_out_the_other_group_commits_on_and_the_
         with contextlib.suppress(ProcessLookupError):
             os.kill(frozen_pid, signal.SIGCONT)
     assert codes == {SURVIVOR: 0, VICTIM: 0}, groups.output()
+    # The frozen group's live worker left on the watch's word, not at its collective timeout (8 s).
+    victim_output = (groups.base / f"agent_{VICTIM}.out").read_text()
+    assert "group watch: worker 1 of this replica group has been silent" in victim_output, groups.output()
+    assert alone_at - frozen_at < 8.0, f"the other group went on alone only {alone_at - frozen_at:.1f}s after"
     logs = {(g, r): groups.log(g, r) for g, r in workers}
     steps = int(FROZEN[FROZEN.index("--steps") + 1])
     for r in range(K):  # the other group was never restarted and ended with the healed one

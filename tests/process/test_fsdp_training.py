@@ -142,6 +142,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, out: str, root: str) -> N
         if rank == 0:
             torch.save(full, out)
         check_sharded_checkpoint(rank, world, model, optimizer, root)
+        dist.barrier()  # no rank tears its end of the group down while a peer still uses it
     finally:
         dist.destroy_process_group()
 
@@ -200,6 +201,9 @@ def reshard_worker(
         state = {"model": model.state_dict()}
         dcp_load(state, checkpoint_id=exported)  # into the DTensors, in place
         assert all(torch.equal(v.full_tensor(), want[f"model.{k}"]) for k, v in model.state_dict().items())
+        # No rank tears its end of the group down while a peer still uses it (a rank 1 once died
+        # of SIGABRT, "terminate called without an active exception", after its last gather).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -64,7 +64,9 @@ def test_a_worker_that_left_on_purpose_or_has_not_started_yet_is_not_frozen_unti
 
 def test_another_attempts_counters_do_not_count_and_a_store_that_fails_is_silence() -> None:
     store = dist.HashStore()
-    store.set("elastic_train/alive/0/1", "99")  # the previous attempt's peer, long gone
+    # The previous attempt's peer left cleanly: a watch that read the wrong attempt's keys would
+    # take worker 1 for gone-on-purpose and never report it.
+    store.set("elastic_train/alive/0/1", "left")
     silent = Silence()
     watch = GroupWatch(store, 1, 0, 2, silence_s=0.4, on_silent=silent, kill_silent_peer=False).start()
     try:
