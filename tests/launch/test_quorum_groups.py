@@ -19,8 +19,7 @@ import signal
 import subprocess
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from elastic_train.quorum.names import JOB_VAR, SECRET_VAR
 from elastic_train.quorum.schedule import QuorumSchedule
 from examples.char_lm import splits
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged, read_jsonl
+from tests.launch.test_quorum import Replicas
 
 SCRIPT = str(ROOT / "examples" / "char_lm.py")
 STEPS, BATCH, CHARS, CONTEXT, SEED = 50, 16, 20_000, 32, 0  # 35 steps per epoch: 2 epochs, the second cut short
@@ -45,14 +45,10 @@ def schedule() -> QuorumSchedule:
     return QuorumSchedule(len(splits(CHARS, CONTEXT)[0]), BATCH, SEED)
 
 
-@dataclass
-class Groups:
-    base: Path
-    env: dict[str, str]
-    lighthouse: Lighthouse
-    agents: dict[int, subprocess.Popen[bytes]]
+class Groups(Replicas):
+    """test_quorum's job of one torchrun agent per replica group, here with K workers per agent."""
 
-    def start(self, group: int, parallel: str, *extra: str) -> None:
+    def start(self, group: int, parallel: str = "ddp", *extra: str) -> None:
         command = [
             str(BIN / "torchrun"),
             "--standalone",
@@ -79,32 +75,14 @@ class Groups:
                 start_new_session=True,
             )
 
-    def log(self, group: int, rank: int) -> list[dict[str, Any]]:
+    def log(self, group: int, rank: int = 0) -> list[dict[str, Any]]:
         path = self.base / f"replica_{group}.rank{rank}.jsonl"
         return read_jsonl(path) if path.exists() else []
 
-    def until(self, what: str, condition: Callable[[], bool], timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            running = all(agent.poll() is None for agent in self.agents.values())
-            assert running and time.monotonic() < deadline, f"never saw {what}\n{self.output()}"
-            time.sleep(0.05)
-
-    def wait(self, timeout: float) -> dict[int, int]:
-        deadline = time.monotonic() + timeout
-        codes = {}
-        for group, agent in self.agents.items():
-            try:
-                codes[group] = agent.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"group {group} still running after {timeout}s\n{self.output()}") from None
-        return codes
-
-    def output(self) -> str:
-        return "\n".join(
-            f"--- agent {g}\n" + "\n".join((self.base / f"agent_{g}.out").read_text().splitlines()[-40:])
-            for g in sorted(self.agents)
-        )
+    def together_past(self, step: int) -> bool:
+        """Every worker of both groups has committed a full-size step at or after ``step``."""
+        workers = [(g, r) for g in (SURVIVOR, VICTIM) for r in range(K)]
+        return all(any(c["world"] == 2 * K and c["step"] >= step for c in commits(self.log(g, r))) for g, r in workers)
 
 
 @pytest.fixture
@@ -114,7 +92,7 @@ def groups(tmp_path: Path) -> Iterator[Groups]:
     lighthouse = Lighthouse(config, log=tmp_path / "lighthouse.log", env=env)
     lighthouse.start()
     try:
-        yield Groups(tmp_path, env, lighthouse, {})
+        yield Groups(base=tmp_path, lighthouse=lighthouse, env=env, agents={})
     finally:
         kill_tagged(env[TOKEN_VAR])  # agents and the workers torchrun put in sessions of their own
         lighthouse.stop()
@@ -134,12 +112,7 @@ def test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_gro
     groups.start(VICTIM, parallel)
     workers = [(g, r) for g in (SURVIVOR, VICTIM) for r in range(K)]
 
-    def all_together_past(step: int) -> bool:
-        return all(
-            any(c["world"] == 2 * K and c["step"] >= step for c in commits(groups.log(g, r))) for g, r in workers
-        )
-
-    groups.until("both groups training together", lambda: all_together_past(8), timeout=150)
+    groups.until("both groups training together", lambda: groups.together_past(8), timeout=150)
     victim_pid = groups.log(VICTIM, 1)[0]["pid"]
     os.kill(victim_pid, signal.SIGKILL)
     killed_at = time.time()
@@ -244,12 +217,7 @@ def test_a_frozen_worker_takes_its_group_out_the_other_group_commits_on_and_the_
     groups.start(VICTIM, "ddp", *FROZEN)
     workers = [(g, r) for g in (SURVIVOR, VICTIM) for r in range(K)]
 
-    def all_together_past(step: int) -> bool:
-        return all(
-            any(c["world"] == 2 * K and c["step"] >= step for c in commits(groups.log(g, r))) for g, r in workers
-        )
-
-    groups.until("both groups training together", lambda: all_together_past(8), timeout=150)
+    groups.until("both groups training together", lambda: groups.together_past(8), timeout=150)
     frozen_pid = groups.log(VICTIM, 1)[0]["pid"]
     os.kill(frozen_pid, signal.SIGSTOP)  # a hung host: sockets stay open, nothing answers
     frozen_at = time.time()
