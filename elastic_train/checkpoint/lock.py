@@ -25,7 +25,7 @@ Rank 0 of a run holds ``<checkpoint-dir>/.lock`` (JSON: owner = the job id, host
   token. Acquiring waits longer than ``MUTEX_STALE_S``, so a mutex left by a lost node never
   turns into a refusal. Without the mutex, two contenders that both judged the old lock stale
   could each rename away what the other had just published.
-* **Fencing.** The holder checks at every heartbeat that ``.lock`` is still its own inode
+* **Fencing.** The holder checks at every heartbeat that ``.lock`` is still its own (inode and hold id)
   (``lost``), and every commit checks it and moves ``latest`` with the mutex held
   (``still_held``), so no takeover falls in between: a run whose lock was taken over (it was
   silent for longer than its TTL, or, in quorum mode, another replica of the job saves now)
@@ -157,6 +157,7 @@ class CheckpointLock:
         self.pid_namespace = _pid_namespace()
         self._fd: int | None = None
         self._inode = -1  # the lock file's inode once taken (kept after a release: it was held)
+        self._token = ""  # this hold's own id, written into the record (see ``_still_ours``)
         self._mutex: str | None = None  # what our takeover mutex says, while we hold it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -165,9 +166,10 @@ class CheckpointLock:
         self._lost = threading.Event()  # set when this hold was found taken over or removed
 
     # ------------------------------------------------------------------ reading
-    def _record(self) -> bytes:
+    def _record(self, token: str) -> bytes:
         record = {
             "owner": self.owner,
+            "hold": token,
             "host": self.host,
             "pidns": self.pid_namespace,
             "pid": os.getpid(),
@@ -252,9 +254,10 @@ class CheckpointLock:
         """Create ``.lock`` exclusively with our record; False if it exists."""
         private = self.path.with_name(f"{LOCK_NAME}.{self.host}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         fd = os.open(private, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+        token = uuid.uuid4().hex
         linked = False
         try:
-            os.write(fd, self._record())
+            os.write(fd, self._record(token))
             os.fsync(fd)
             try:
                 os.link(private, self.path)
@@ -269,24 +272,41 @@ class CheckpointLock:
                 os.close(fd)
             private.unlink(missing_ok=True)
         if not linked:
-            return self._publish_exclusive()
-        self._hold(fd)
+            return self._publish_exclusive(token)
+        self._hold(fd, token)
         return True
 
-    def _publish_exclusive(self) -> bool:
+    def _publish_exclusive(self, token: str) -> bool:
         """Fallback without hard links: O_CREAT | O_EXCL on ``.lock`` itself."""
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             return False
-        os.write(fd, self._record())
+        os.write(fd, self._record(token))
         os.fsync(fd)
-        self._hold(fd)
+        self._hold(fd, token)
         return True
 
-    def _hold(self, fd: int) -> None:
+    def _hold(self, fd: int, token: str) -> None:
         self._fd, self._inode, self._lost_logged, self._missing_beats = fd, os.fstat(fd).st_ino, False, 0
+        self._token = token
         self._lost.clear()
+
+    def _still_ours(self) -> bool:
+        """Whether ``.lock`` is the file this hold published: its inode and its record's hold id.
+
+        The inode alone is not enough: tmpfs and ext4 hand a freed inode number to the next file
+        at once, so after another replica of the job took the lock over (removing ours and
+        linking its own), ``.lock`` can carry our old inode number. Judged by the inode alone,
+        this replica then went on as the holder and, exiting, removed the new holder's lock,
+        failing that replica's final commit (seen in a test run: exit 81, a restart)."""
+        try:
+            if os.stat(self.path).st_ino != self._inode:
+                return False
+            record = json.loads(self.path.read_text())
+        except (FileNotFoundError, ValueError):  # gone, or another's being written (O_EXCL fallback)
+            return False
+        return isinstance(record, dict) and record.get("hold") == self._token
 
     def _take_over(self, judged: Holder) -> bool:
         """Remove the lock we judged stale, unless it changed since we looked. True if removed."""
@@ -398,10 +418,7 @@ class CheckpointLock:
         """True if we took the lock and ``.lock`` is no longer ours (taken over, or removed)."""
         if self._fd is None:
             return False
-        try:
-            return os.stat(self.path).st_ino != self._inode
-        except FileNotFoundError:
-            return True
+        return not self._still_ours()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -474,8 +491,8 @@ class CheckpointLock:
         mutex = self._wait_mutex(2.0)
         try:
             with contextlib.suppress(FileNotFoundError):
-                st = os.stat(self.path)
-                if st.st_ino == self._inode:  # else another run holds it now: not ours to remove
+                if self._still_ours():  # else another run or replica holds it now: not ours to remove
+                    st = os.stat(self.path)
                     _remove_if(self.path, st.st_ino, st.st_mtime_ns)
         finally:
             if mutex:

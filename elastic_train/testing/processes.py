@@ -177,5 +177,12 @@ def run(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = Non
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every record of a JSON-lines log (strict: a torn line fails, unlike the report's reader)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every complete record of a JSON-lines log.
+
+    Strict about what was written whole: a line that ends in a newline and does not parse fails,
+    unlike the report's reader. A last line without its newline is a record still being appended
+    (tests poll logs of running jobs) and is left for the next read.
+    """
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]

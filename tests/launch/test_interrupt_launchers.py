@@ -172,7 +172,9 @@ def test_a_second_ctrl_c_on_a_launcher_ends_its_workers_at_once(tmp_path: Path, 
     finally:
         kill_group(proc)
         kill_tagged(env["ELASTIC_TRAIN_TEST_TOKEN"])
-    assert took < 15, f"the second Ctrl-C took {took:.1f}s:\n{out[-3000:]}"
+    # Before the agent's 30 s SIGKILL: the workers print their line at once, but on a loaded
+    # 2-core machine the exits of the workers, the agent and its forkserver took 15.9 s once.
+    assert took < 25, f"the second Ctrl-C took {took:.1f}s:\n{out[-3000:]}"
     assert "Second Ctrl-C: exiting now without a checkpoint" in out, out[-3000:]
     assert proc.returncode != 0 and (launcher == "torchrun" or proc.returncode == ExitCode.INTERRUPTED), out[-2000:]
     assert before is not None and latest_target(tmp_path / "ckpt") == before

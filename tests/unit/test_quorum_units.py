@@ -125,6 +125,26 @@ def test_the_lock_passes_between_replicas_of_one_job_and_never_to_another_job(tm
     assert not (tmp_path / ".lock").exists()
 
 
+def test_a_former_holder_never_takes_a_reused_inode_for_its_own_lock(tmp_path: Path) -> None:
+    """tmpfs and ext4 give a freed inode number to the next file at once: after a takeover the
+    new holder's ``.lock`` can carry the old holder's inode number. The old holder, exiting,
+    then removed the new holder's lock and failed its final commit (a CI run: exit 81). Its
+    inode is set to the new lock's here, as such a reuse leaves it."""
+    old, new = CheckpointLock(tmp_path, "job-1", 60), CheckpointLock(tmp_path, "job-1", 60)
+    try:
+        old.ensure_held()
+        new.ensure_held()  # the next saver of the same job takes the lock over
+        old._inode = (tmp_path / ".lock").stat().st_ino  # the removed lock's number, reused
+        assert old.lost(), "a lock with our inode number but another hold's record is not ours"
+        old.release()
+        assert (tmp_path / ".lock").exists(), "the former holder removed the new holder's lock"
+        with new.still_held() as held:
+            assert held
+    finally:
+        new.release()
+    assert not (tmp_path / ".lock").exists()
+
+
 def test_a_former_saver_cannot_move_latest_back_once_another_replica_took_the_lock(tmp_path: Path) -> None:
     """The old holder's check and its move of ``latest`` are one step for a takeover: a replica
     that takes the lock meanwhile waits until the block ends, and the old holder's next commit
