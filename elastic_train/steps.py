@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.distributed.env import DistEnv
+from elastic_train.errors import UsageError
 from elastic_train.quorum.replica import Replica, StepAttempt
 from elastic_train.quorum.schedule import QuorumSchedule
 
@@ -129,6 +130,12 @@ class QuorumSteps:
             raise ValueError(f"parallel={parallel!r}: choose 'ddp' or 'fsdp'")
         self.replica, self.schedule, self.parallel = replica, schedule, parallel
         self.group_size = replica.group.world_size
+        if self.group_size > schedule.global_batch:
+            raise UsageError(
+                f"a replica group of {self.group_size} workers cannot share a global batch of "
+                f"{schedule.global_batch}: each worker needs a sample",
+                f"use a global batch of {self.group_size} or more, or fewer workers per group",
+            )
         if (self.group_size > 1 or parallel == "fsdp") and not torch.distributed.is_initialized():
             raise RuntimeError(
                 f"a replica group of {self.group_size} workers trains {parallel.upper()} inside the group: call "

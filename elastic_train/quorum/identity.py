@@ -2,10 +2,13 @@
 
 Two jobs can reach one Lighthouse (a shared port, a copied command line); torchft would then put
 their replicas in one quorum, average their gradients and heal one from the other's weights. So
-every replica id carries the job's id (``<name>@<job>_<group>``; torchft reads the trailing
+every replica id carries the job's id (``<name>@<job>@<K>_<group>``; torchft reads the trailing
 digits as the group, and appends ``:<uuid>`` per process), and a replica checks every quorum it
 is given (``guard_quorum``): one that holds another job's replica is refused, by a
-``ForeignReplicaError`` (exit 2) before any state moves. The job's secret (``SECRET_VAR``) signs
+``ForeignReplicaError`` (exit 2) before any state moves. ``K``, the group's workers, is checked
+there too: groups of different sizes would pair a worker with a peer that holds another shard
+(FSDP2) or cut the global batch by a wrong count, so a quorum mixing sizes is refused
+(``GroupSizeError``, exit 2). The job's secret (``SECRET_VAR``) signs
 the state transfer (``elastic_train.quorum.transport``): a peer without it gets nothing.
 
 Sharp edges: the guard sits between torchft's ``Manager`` and its Rust client (``_client``,
@@ -40,16 +43,27 @@ def job_id(environ: Mapping[str, str]) -> str:
     return _NOT_IN_JOB.sub("-", raw)
 
 
-def member_id(name: str, job: str, group: int) -> str:
-    """The replica id torchft gets: ``<name>@<job>_<group>`` (``<name>_<group>`` without a job)."""
-    return f"{name}@{job}_{group}" if job else f"{name}_{group}"
+def member_id(name: str, job: str, group: int, group_size: int = 1) -> str:
+    """The replica id torchft gets: ``<name>@<job>@<K>_<group>`` for a group of ``K`` workers
+    (``<name>_<group>`` without a job)."""
+    return f"{name}@{job}@{group_size}_{group}" if job else f"{name}_{group}"
+
+
+def _fields(replica_id: str) -> list[str]:
+    """``[name, job, K]`` of a replica id as torchft reports it (``...:<uuid>`` dropped)."""
+    return replica_id.split(":", 1)[0].rpartition("_")[0].split("@")
 
 
 def job_of(replica_id: str) -> str:
-    """The job part of a replica id as torchft reports it (``<name>@<job>_<group>:<uuid>``)."""
-    head = replica_id.split(":", 1)[0].rpartition("_")[0]
-    _name, at, job = head.rpartition("@")
-    return job if at else ""
+    """The job part of a replica id as torchft reports it (``<name>@<job>@<K>_<group>:<uuid>``)."""
+    fields = _fields(replica_id)
+    return fields[1] if len(fields) > 1 else ""
+
+
+def group_size_of(replica_id: str) -> int | None:
+    """The workers per group a replica id declares (``K``); None for an id without it."""
+    fields = _fields(replica_id)
+    return int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else None
 
 
 def require_identity(job: str, secret: str, replica: str) -> None:
@@ -102,6 +116,10 @@ class ForeignReplicaError(UsageError):
     """The Lighthouse put another job's replica in this replica's quorum."""
 
 
+class GroupSizeError(UsageError):
+    """The quorum holds replica groups with a different number of workers than this one's."""
+
+
 class _GuardedClient:
     """torchft's ``ManagerClient`` with every quorum's member ids checked before it is used."""
 
@@ -110,6 +128,7 @@ class _GuardedClient:
         self._job = job
         self._replica = replica
         self._lighthouse = lighthouse
+        self._group_size = group_size_of(replica)
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
@@ -121,6 +140,14 @@ class _GuardedClient:
                 "train with or heal from it",
                 f"give each job its own Lighthouse (--lighthouse-port or --lighthouse), and every replica "
                 f"of one job the same {JOB_VAR}",
+            )
+        other = sorted(r for r in quorum.replica_ids if group_size_of(r) != self._group_size)
+        if other:
+            raise GroupSizeError(
+                f"replica {self._replica} is a group of {self._group_size} workers, but the quorum also holds "
+                f"{', '.join(f'{r} ({group_size_of(r)} workers)' for r in other)}; a worker averages with the "
+                "worker of the same group rank in every other group, so every group must have the same size",
+                "start every replica group's torchrun agent with the same --nproc-per-node",
             )
         return quorum
 

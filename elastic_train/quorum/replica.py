@@ -57,6 +57,7 @@ import torch
 from torch import nn
 from torch.distributed import AllreduceOptions, ReduceOp
 
+from elastic_train.errors import UsageError
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum import identity
 from elastic_train.quorum.group_watch import GroupWatch
@@ -81,7 +82,8 @@ class ReplicaConfig:
     lighthouse: str  # the Lighthouse's URL, http://host:port (torchft's TORCHFT_LIGHTHOUSE)
     replica_group: int  # this group's index (torchft's REPLICA_GROUP_ID): distinct per group
     # Logs and files are named "<name>_<group>" (``replica_id``); torchft's replica id also
-    # carries the job ("<name>@<job>_<group>", ``member_id``) and reads its trailing digits.
+    # carries the job and the group's size ("<name>@<job>@<K>_<group>", ``member_id``) and reads
+    # its trailing digits.
     name: str = "replica"
     # The job's id (``identity.job_id``: the agent's JOB_VAR, Slurm's job id, torchrun's run id):
     # a quorum holding a replica of another job is refused before anything moves.
@@ -142,11 +144,6 @@ class ReplicaConfig:
     @property
     def replica_id(self) -> str:
         return f"{self.name}_{self.replica_group}"
-
-    @property
-    def member_id(self) -> str:
-        """The replica id torchft and the Lighthouse see: "<name>@<job>_<group>"."""
-        return identity.member_id(self.name, self.job, self.replica_group)
 
     @property
     def quorum_retries(self) -> int:
@@ -251,6 +248,8 @@ class Replica:
 
         self.config = config
         self.group = group = _GroupEnv.from_environ()
+        # The replica id torchft and the Lighthouse see: "<name>@<job>@<K>_<group>".
+        self.member_id = identity.member_id(config.name, config.job, config.replica_group, group.world_size)
         self._own_store: object = None  # kept alive: the Manager and its peers use it
         store_addr, store_port = group.store_addr, group.store_port
         if store_addr is None or store_port is None:
@@ -303,11 +302,11 @@ class Replica:
             store_addr=store_addr,
             store_port=store_port,
             lighthouse_addr=config.lighthouse,
-            replica_id=config.member_id,
+            replica_id=self.member_id,
             hostname=config.hostname,
             checkpoint_transport=_state_transport(config),
         )
-        identity.guard_quorum(self.manager, config.job, config.member_id, config.lighthouse)
+        identity.guard_quorum(self.manager, config.job, self.member_id, config.lighthouse)
         if group.rank == 0 and group.world_size > 1:
             self._store_client(store_addr, store_port).set(ready, "1")
 
@@ -360,6 +359,12 @@ class Replica:
         batch = position() if position is not None else step
         # The data-parallel members are the quorum's groups times each group's workers.
         k = self.group.world_size
+        if world * k > schedule.global_batch:  # every participant of a quorum sees the same count
+            raise UsageError(
+                f"the quorum for step {step} holds {world} replica groups of {k} workers, {world * k} members "
+                f"for a global batch of {schedule.global_batch}: each member needs a sample",
+                f"use a global batch of {world * k} or more, or fewer replica groups or workers per group",
+            )
         world, rank = world * k, int(rank) * k + self.group.rank
         share = schedule.share(batch, world, rank)
         return StepAttempt(step, world, rank, share, heal, seconds)

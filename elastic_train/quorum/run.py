@@ -156,6 +156,11 @@ def _run(
     if preemption.grace is not None:
         preemption.grace.progress = lambda: watchdog.last_progress
     groups = int(os.environ.get(GROUPS_VAR, "1"))
+    if groups > cfg.batch_size:  # a full quorum would leave a replica without a sample
+        raise UsageError(
+            f"{groups} replica groups cannot share a global batch of {cfg.batch_size}: each needs a sample",
+            f"pass --batch-size {groups} or more, or launch {cfg.batch_size} replica groups or fewer",
+        )
     strategy = QuorumStrategy(cfg, checkpointer, preemption, watchdog, groups, faults, clock.started)
     init = None
     if cfg.init_from is not None and latest_target(cfg.checkpoint_dir) is None:

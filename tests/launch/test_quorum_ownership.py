@@ -112,5 +112,28 @@ def test_two_jobs_sent_to_one_lighthouse_refuse_each_other_instead_of_training_t
     for name, proc in jobs.items():
         assert proc.returncode == ExitCode.USAGE, outputs[name]
         other = "job-b" if name == "job-a" else "job-a"
-        assert re.search(rf"replica@{other}_0:\S+ \(another job\)", outputs[name]), outputs[name]
+        assert re.search(rf"replica@{other}@1_0:\S+ \(another job\)", outputs[name]), outputs[name]
         assert not any((tmp_path / name / "ckpt").glob("step-*"))  # nothing was trained
+
+
+def test_more_replica_groups_than_samples_in_a_global_batch_exit_2_at_the_first_attempt(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    three = [*AGENT[:4], "3", "--max-restarts", "2"]  # three groups, restarts allowed
+    command = [
+        *three,
+        "-m",
+        "elastic_train",
+        *TRAIN[:-4],
+        "--batch-size",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
+    command += ["--log-dir", str(tmp_path / "logs")]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == ExitCode.USAGE, done.stdout + done.stderr
+    assert "3 replica groups cannot share a global batch of 2" in done.stdout + done.stderr
+    assert "--batch-size 3 or more" in done.stdout + done.stderr
+    assert "(restart 1)" not in done.stdout, "a usage error was retried"
+    assert not list(tmp_path.glob("ckpt/step-*")), "nothing trains"

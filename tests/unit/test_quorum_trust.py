@@ -308,23 +308,37 @@ def test_replica_ids_carry_the_job_and_keep_the_group_as_trailing_digits(monkeyp
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.delenv(JOB_VAR, raising=False)
     config = ReplicaConfig("http://127.0.0.1:1", 12)
-    assert config.member_id == "replica@4242_12" and config.replica_id == "replica_12"
-    torchft_id = f"{config.member_id}:0b6c-uuid"  # as the Lighthouse reports it
+    member = identity.member_id(config.name, config.job, config.replica_group, group_size=4)
+    assert member == "replica@4242@4_12" and config.replica_id == "replica_12"
+    torchft_id = f"{member}:0b6c-uuid"  # as the Lighthouse reports it
     assert extract_trailing_digits(torchft_id.split(":")[0]) == 12
-    assert identity.job_of(torchft_id) == "4242"
+    assert identity.job_of(torchft_id) == "4242" and identity.group_size_of(torchft_id) == 4
     assert identity.job_id({JOB_VAR: "my_job:1@x"}) == "my-job-1-x"  # no separators leak in
     assert identity.job_id({"TORCHELASTIC_RUN_ID": "none"}) == ""  # torchrun's default is no identity
 
 
 def test_a_quorum_holding_another_jobs_replica_is_refused_before_any_heal() -> None:
-    quorum = SimpleNamespace(replica_ids=["replica@job-a_0:u1", "replica@job-b_1:u2"])
+    quorum = SimpleNamespace(replica_ids=["replica@job-a@1_0:u1", "replica@job-b@1_1:u2"])
     client = SimpleNamespace(_quorum=lambda **kwargs: quorum, should_commit=lambda: True)
     manager = SimpleNamespace(_client=client)
-    identity.guard_quorum(manager, "job-a", "replica@job-a_0", "http://127.0.0.1:1")
-    with pytest.raises(identity.ForeignReplicaError, match=r"replica@job-b_1:u2 \(another job\)"):
+    identity.guard_quorum(manager, "job-a", "replica@job-a@1_0", "http://127.0.0.1:1")
+    with pytest.raises(identity.ForeignReplicaError, match=r"replica@job-b@1_1:u2 \(another job\)"):
         manager._client._quorum(step=3)
-    quorum.replica_ids = ["replica@job-a_0:u1", "replica@job-a_1:u3"]
+    quorum.replica_ids = ["replica@job-a@1_0:u1", "replica@job-a@1_1:u3"]
     assert manager._client._quorum(step=3) is quorum and manager._client.should_commit()
+
+
+def test_a_quorum_mixing_group_sizes_is_refused_naming_the_odd_group() -> None:
+    # Group 1 was started with another --nproc-per-node: its worker 1 would average with this
+    # group's worker 1, which holds another shard, and the global batch would be cut wrongly.
+    quorum = SimpleNamespace(replica_ids=["replica@job-a@2_0:u1", "replica@job-a@3_1:u2"])
+    manager = SimpleNamespace(_client=SimpleNamespace(_quorum=lambda **kwargs: quorum))
+    identity.guard_quorum(manager, "job-a", "replica@job-a@2_0", "http://127.0.0.1:1")
+    with pytest.raises(identity.GroupSizeError, match=r"group of 2 workers.*replica@job-a@3_1:u2 \(3 workers\)"):
+        manager._client._quorum(step=0)
+    assert issubclass(identity.GroupSizeError, UsageError)  # exit 2, not retried
+    quorum.replica_ids = ["replica@job-a@2_0:u1", "replica@job-a@2_1:u2"]
+    assert manager._client._quorum(step=0) is quorum
 
 
 # ---------------------------------------------------------------------- the Lighthouse's port

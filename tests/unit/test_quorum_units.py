@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,7 +25,9 @@ from elastic_train.errors import UsageError
 from elastic_train.metrics import MetricSums, format_digest, index_digest
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum.launch import Agent, Slot, parse
+from elastic_train.quorum.replica import Replica, ReplicaConfig, _GroupEnv
 from elastic_train.quorum.run import replica_config
+from elastic_train.quorum.schedule import QuorumSchedule
 from elastic_train.quorum.strategy import (
     CORRECT,
     LOSS_SUM,
@@ -37,6 +40,7 @@ from elastic_train.quorum.strategy import (
     sums_stats,
 )
 from elastic_train.resilience.preemption import StopKind
+from elastic_train.steps import QuorumSteps
 
 NO_VOTES = (StopKind.NONE, False)
 
@@ -267,6 +271,30 @@ def test_quorum_settings_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.replica_id == "replica_3" and config.collective_timeout_s == 2.0
     with pytest.raises(UsageError, match="--ft"):
         TrainConfig(ft="torchft")
+
+
+def _replica_in_quorum(groups: int, group_rank: int, group_size: int) -> Replica:
+    """A Replica whose Manager reports a quorum of ``groups`` groups, this one the last."""
+    replica = object.__new__(Replica)
+    replica.config = ReplicaConfig("http://127.0.0.1:1", groups - 1)
+    replica.group = _GroupEnv(group_rank, group_size, None, None)
+    replica.manager = SimpleNamespace(
+        start_quorum=lambda: None,
+        current_step=lambda: 7,
+        num_participants=lambda: groups,
+        participating_rank=lambda: groups - 1,
+    )
+    return replica
+
+
+def test_a_quorum_with_more_members_than_samples_in_a_global_batch_is_refused_naming_the_fix() -> None:
+    schedule = QuorumSchedule(num_samples=64, global_batch=8, seed=0)
+    attempt = _replica_in_quorum(groups=4, group_rank=1, group_size=2).begin_step(schedule)
+    assert (attempt.world, attempt.rank, len(attempt.share.indices)) == (8, 7, 1)  # 4 x 2 = 8: one sample each
+    with pytest.raises(UsageError, match=r"5 replica groups of 2 workers, 10 members for a global batch of 8"):
+        _replica_in_quorum(groups=5, group_rank=0, group_size=2).begin_step(schedule)
+    with pytest.raises(UsageError, match=r"a replica group of 9 workers cannot share a global batch of 8"):
+        QuorumSteps(_replica_in_quorum(groups=1, group_rank=0, group_size=9), schedule)
 
 
 @pytest.mark.parametrize(
