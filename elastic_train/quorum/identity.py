@@ -105,6 +105,18 @@ def bind_address(advertised: str, environ: Mapping[str, str] = os.environ) -> st
     return str(infos[0][4][0])
 
 
+def resolves_to_loopback(host: str) -> bool:
+    """True when ``host`` (a name or an address) means this host only: loopback, or a name
+    whose every address here is loopback (``localhost``; Debian's 127.0.1.1 host name)."""
+    if is_loopback(host):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(is_loopback(str(info[4][0])) for info in infos)
+
+
 def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback

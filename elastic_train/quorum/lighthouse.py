@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -181,10 +181,17 @@ class Lighthouse:
         log: Path | None = None,
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 60.0,
+        prefix: Sequence[str] = (),
     ) -> None:
+        if prefix and port is None:
+            raise ValueError("a Lighthouse started under a prefix (another network namespace) needs its port given")
         self.config = config or LighthouseConfig()
         self.host = host
         self.port = port or _free_port(host)
+        # A command it runs under, e.g. ``ip netns exec NS`` (tests): ``host`` is then an address
+        # of that namespace, where the free-port probe cannot bind; the ownership check (the
+        # child's own listening socket) still decides whether it started.
+        self.prefix = list(prefix)
         self.log = log
         self.env = dict(env) if env is not None else dict(os.environ)
         self.start_timeout_s = start_timeout_s
@@ -210,10 +217,12 @@ class Lighthouse:
                 f"torchft_lighthouse is neither in {beside.parent} nor on PATH: install torchft "
                 "(pip install 'elastic-train[ft]')"
             )
-        _check_port_free(self.host, self.port)
+        if not self.prefix:
+            _check_port_free(self.host, self.port)
         command = [found, f"--bind={self.host}:{self.port}", *self.config.flags()]
         if sys.platform == "linux":
             command = [sys.executable, "-I", "-S", "-c", _DIE_WITH_STARTER, str(os.getpid()), *command]
+        command = [*self.prefix, *command]  # the prefix execs its command: the starter stays the parent
         env = {"RUST_LOG": "info", **self.env}  # it logs quorum changes: useful in a test's output
         with self.log.open("ab") if self.log is not None else open(os.devnull, "wb") as output:
             self.proc = subprocess.Popen(

@@ -210,6 +210,15 @@ def _host_copy(state: T) -> T:
     return tree_map(copy_leaf, state)  # type: ignore[no-any-return]
 
 
+def _reachable(store_host: str, advertised: str) -> str:
+    """The group's store as other hosts reach it. The quorum's process group meets in its first
+    participant's store, so the address the Manager advertises must work from every other
+    group's host; ``torchrun --standalone`` hands its workers ``MASTER_ADDR=localhost``, which
+    on another host is that host (measured: a quorum across two network namespaces failed
+    every configure). Its store listens on every interface: advertise this host instead."""
+    return advertised if identity.resolves_to_loopback(store_host) else store_host
+
+
 def _listen(address: str) -> socket.socket:
     """A listening TCP socket on ``address``, any free port."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -299,7 +308,7 @@ class Replica:
             quorum_retries=config.quorum_retries,
             rank=group.rank,
             world_size=group.world_size,
-            store_addr=store_addr,
+            store_addr=_reachable(store_addr, config.hostname),
             store_port=store_port,
             lighthouse_addr=config.lighthouse,
             replica_id=self.member_id,

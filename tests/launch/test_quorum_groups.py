@@ -29,15 +29,19 @@ from elastic_train.data.sampler import global_batches
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
 from elastic_train.quorum.names import JOB_VAR, SECRET_VAR
 from elastic_train.quorum.schedule import QuorumSchedule
+from elastic_train.testing.netns import Host
 from examples.char_lm import splits
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged, read_jsonl
 from tests.launch.test_quorum import Replicas
 
 SCRIPT = str(ROOT / "examples" / "char_lm.py")
-STEPS, BATCH, CHARS, CONTEXT, SEED = 50, 16, 20_000, 32, 0  # 35 steps per epoch: 2 epochs, the second cut short
+STEPS, BATCH, CHARS, CONTEXT, SEED = 64, 16, 20_000, 32, 0  # 35 steps per epoch: 2 epochs, the second cut short
 K = 2  # workers per replica group
 RUN = ["--ft", "quorum", "--steps", str(STEPS), "--batch-size", str(BATCH), "--chars", str(CHARS)]
-PADDED = ["--step-time", "0.4"]  # keeps the short run going while the killed group restarts
+# Keeps the short run going while the killed group restarts: the survivor must still be training
+# when it is back (a restart of two workers took 19 s on a loaded 2-core machine; 64 steps leave
+# ~25 s after the kill), else the restarted group finds no peer and trains alone from step 0.
+PADDED = ["--step-time", "0.4"]
 SURVIVOR, VICTIM = 0, 1
 
 
@@ -48,7 +52,8 @@ def schedule() -> QuorumSchedule:
 class Groups(Replicas):
     """test_quorum's job of one torchrun agent per replica group, here with K workers per agent."""
 
-    def start(self, group: int, parallel: str = "ddp", *extra: str) -> None:
+    def start(self, group: int, parallel: str = "ddp", *extra: str, host: Host | None = None) -> None:
+        """Group ``group``'s agent; ``host``: inside that network namespace, on its link."""
         command = [
             str(BIN / "torchrun"),
             "--standalone",
@@ -65,10 +70,14 @@ class Groups(Replicas):
             "--log-dir",
             str(self.base),
         ]
+        env = {**self.env, "REPLICA_GROUP_ID": str(group), "OMP_NUM_THREADS": "1"}
+        if host is not None:  # names do not resolve to the bridge: advertise the address, gloo on the veth
+            command = host.command(command)
+            env.update(ELASTIC_TRAIN_QUORUM_HOST=host.addr, GLOO_SOCKET_IFNAME=host.ifname)
         with (self.base / f"agent_{group}.out").open("wb") as out:
             self.agents[group] = subprocess.Popen(
                 command,
-                env={**self.env, "REPLICA_GROUP_ID": str(group), "OMP_NUM_THREADS": "1"},
+                env=env,
                 cwd=ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,

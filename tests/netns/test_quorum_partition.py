@@ -1,10 +1,16 @@
-"""Quorum mode across a real network partition: two nodes (agent and worker each) in network
-namespaces of their own on a private bridge, the Lighthouse on node a. Node b's link goes down
-(packets vanish, nothing is closed: the survivor's collective can only time out), then comes back.
+"""Quorum mode across a real network partition: two nodes in network namespaces of their own on
+a private bridge, the Lighthouse on node a. Node b's link goes down (packets vanish, nothing is
+closed: the survivor's collective can only time out), then comes back.
 
-Node a must go on alone within ``--peer-timeout`` plus a quorum, without a restart; node b must
-come back into the quorum by healing from node a once the network heals; every epoch's samples
-exactly once. Needs root and iproute2 (skips without, fails in CI: ELASTIC_TRAIN_REQUIRE_NETNS=1).
+* The trainer (``--ft quorum``, one worker per replica group): node a must go on alone within
+  ``--peer-timeout`` plus a quorum, without a restart; node b must come back into the quorum by
+  healing from node a once the network heals; every epoch's samples exactly once.
+* Replica groups of two workers (examples/char_lm.py, DDP inside a group, one torchrun agent per
+  node): the group on node a commits alone, never restarted; the group on node b, whose own
+  workers still reach each other, heals back in worker by worker; every step's global batch
+  exactly once and equal final weights.
+
+Needs root and iproute2 (skips without, fails in CI: ELASTIC_TRAIN_REQUIRE_NETNS=1).
 """
 
 from __future__ import annotations
@@ -18,8 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
+from elastic_train.quorum.names import JOB_VAR, SECRET_VAR
 from elastic_train.testing.netns import Host, bridged_hosts, netns_problem
-from tests.helpers import BIN, ROOT, base_env
+from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged
+from tests.launch import test_quorum_groups as groups_test
+from tests.launch.test_quorum_groups import SURVIVOR, VICTIM, Groups, K, commits
 from tests.launch.test_quorum_trainer import RUN, Job, assert_exactly_once, events
 
 pytestmark = pytest.mark.timeout(300)
@@ -89,3 +99,61 @@ def test_a_partitioned_node_is_left_behind_and_heals_back_in_when_the_network_re
     assert not events(job, 1, "resumed", back), "node b healed from node a, not from a checkpoint"
     history = assert_exactly_once(tmp_path, epochs=6)
     assert len(history) == 6
+
+
+@pytest.mark.timeout(300)
+def test_a_partitioned_replica_group_is_left_behind_and_heals_back_in_worker_by_worker(
+    hosts: dict[str, Host], tmp_path: Path
+) -> None:
+    a, b = hosts["a"], hosts["b"]
+    env = base_env({JOB_VAR: f"groups-{secrets.token_hex(4)}", SECRET_VAR: secrets.token_hex(16)})
+    config = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=400, join_timeout_ms=100)
+    lighthouse = Lighthouse(
+        config, host=a.addr, port=PORT, log=tmp_path / "lighthouse.log", env=env, prefix=a.command([])
+    )
+    steps = 60
+    lighthouse.start()
+    job = Groups(base=tmp_path, lighthouse=lighthouse, env=env, agents={})
+    try:
+        job.start(SURVIVOR, "ddp", "--steps", str(steps), host=a)
+        job.start(VICTIM, "ddp", "--steps", str(steps), host=b)
+        job.until("both groups training together", lambda: job.together_past(8), timeout=150)
+        cut = b.set_link(False)
+        job.until(
+            "the group on node a committing alone",
+            lambda: any(c["time"] > cut and c["world"] == K for c in commits(job.log(SURVIVOR))),
+            timeout=60,
+        )
+        alone_at = time.time()
+        time.sleep(3)
+        back = b.set_link(True)
+        job.until(
+            "both groups together again",
+            lambda: any(c["time"] > back and c["world"] == 2 * K for c in commits(job.log(SURVIVOR))),
+            timeout=120,
+        )
+        together_at = time.time()
+        codes = job.wait(timeout=150)
+    finally:
+        kill_tagged(env[TOKEN_VAR])
+        lighthouse.stop()
+    assert codes == {SURVIVOR: 0, VICTIM: 0}, job.output()
+    workers = [(g, r) for g in (SURVIVOR, VICTIM) for r in range(K)]
+    logs = {(g, r): job.log(g, r) for g, r in workers}
+    for r in range(K):  # the group on node a never restarted, and went on alone
+        assert [e["restart_count"] for e in logs[(SURVIVOR, r)] if e["event"] == "start"] == [0]
+    assert alone_at - cut < 8.0, f"the group on node a went on alone only {alone_at - cut:.1f}s after the cut"
+    restarts = 0
+    for r in range(K):  # each worker of node b's group healed from its counterpart after the network came back
+        log = logs[(VICTIM, r)]
+        heals = [e for e in log if e["event"] == "heal" and e["time"] > cut]
+        assert heals, f"worker {r} of node b's group rejoined without healing:\n{job.output()}"
+        restarts = max(restarts, max(e["restart_count"] for e in log if e["event"] == "start"))
+    groups_test.assert_exactly_once(logs, cut, steps)
+    done = [[e for e in log if e["event"] == "done"] for log in logs.values()]
+    assert all(len(d) == 1 and d[0]["step"] == steps for d in done), done
+    assert len({d[0]["sha256"] for d in done}) == 1, "the workers ended with different weights"
+    print(
+        f"\npartitioned group: node a's group committed alone {alone_at - cut:.2f}s after the cut; both "
+        f"together {together_at - back:.2f}s after the link came back (node b's group restarted {restarts}x)"
+    )
