@@ -387,7 +387,11 @@ def lr_schedule(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(1)
-    return quorum_mode(args) if args.ft == "quorum" else restart_mode(args)
+    try:
+        return quorum_mode(args) if args.ft == "quorum" else restart_mode(args)
+    except et.UsageError as exc:  # bad input (e.g. a quorum mixing group sizes): the message, exit 2
+        print(f"char_lm: {exc}", file=sys.stderr, flush=True)
+        return int(et.ExitCode.USAGE)
 
 
 # ---------------------------------------------------------------------------------------- restart

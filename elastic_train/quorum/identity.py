@@ -155,11 +155,16 @@ class _GuardedClient:
             )
         other = sorted(r for r in quorum.replica_ids if group_size_of(r) != self._group_size)
         if other:
+            sizes = ", ".join(
+                f"{r} ({group_size_of(r)} workers)" if group_size_of(r) else f"{r} (no group size: another version)"
+                for r in other
+            )
             raise GroupSizeError(
                 f"replica {self._replica} is a group of {self._group_size} workers, but the quorum also holds "
-                f"{', '.join(f'{r} ({group_size_of(r)} workers)' for r in other)}; a worker averages with the "
-                "worker of the same group rank in every other group, so every group must have the same size",
-                "start every replica group's torchrun agent with the same --nproc-per-node",
+                f"{sizes}; a worker averages with the worker of the same group rank in every other group, so "
+                "every group must have the same size",
+                "give every replica group the same number of workers (its torchrun's --nnodes x --nproc-per-node, "
+                "fixed: not an elastic --nnodes range) and the same elastic-train",
             )
         return quorum
 

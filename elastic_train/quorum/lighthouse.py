@@ -183,7 +183,7 @@ class Lighthouse:
         start_timeout_s: float = 60.0,
         prefix: Sequence[str] = (),
     ) -> None:
-        if prefix and port is None:
+        if prefix and not port:
             raise ValueError("a Lighthouse started under a prefix (another network namespace) needs its port given")
         self.config = config or LighthouseConfig()
         self.host = host
@@ -235,7 +235,7 @@ class Lighthouse:
         deadline = time.monotonic() + self.start_timeout_s
         while not owns_listener(proc.pid, self.port):
             if proc.poll() is not None:
-                if _listening_inodes("self", self.port):  # taken between the check and its bind
+                if not self.prefix and _listening_inodes("self", self.port):  # taken between the check and its bind
                     raise LighthousePortTaken(self.host, self.port)
                 raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}; see {self.log}")
             if time.monotonic() > deadline:

@@ -69,6 +69,9 @@ T = TypeVar("T")
 # Exit status of a worker whose state may be half updated (an error after the commit vote): the
 # agent counts it as a failure and restarts the worker, which heals from a live peer.
 EXIT_AFTER_COMMIT_FAILED = ExitCode.QUORUM_STATE_UNSAFE
+# Quorums in a row with more members than samples in a global batch before a replica gives up
+# (``Replica._oversized``): a moment's surplus passes within a few; a standing one is bad input.
+MAX_OVERSIZED_IN_A_ROW = 10
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,9 @@ class ReplicaConfig:
     # (``group_watch``), so that the group leaves the quorum within about this long plus the
     # Lighthouse's heartbeat timeout. Above any stretch a worker's Python keeps the GIL.
     peer_silence_s: float = 3.0
-    # Advertised to peers (the state transfer, the group's store): must reach this host from
-    # theirs. HOST_VAR overrides the host name (e.g. an address where names do not resolve).
+    # Advertised to peers (the state transfer; the group's store when torchrun's MASTER_ADDR is a
+    # loopback name): must reach this host from theirs. HOST_VAR overrides the host name (e.g.
+    # an address where names do not resolve).
     hostname: str = field(default_factory=lambda: os.environ.get(HOST_VAR) or socket.gethostname())
     # True when replicas may start from different weights: at step 0 all but one then load the
     # first replica's state. False (the default) trusts identically seeded initial weights.
@@ -213,9 +217,13 @@ def _host_copy(state: T) -> T:
 def _reachable(store_host: str, advertised: str) -> str:
     """The group's store as other hosts reach it. The quorum's process group meets in its first
     participant's store, so the address the Manager advertises must work from every other
-    group's host; ``torchrun --standalone`` hands its workers ``MASTER_ADDR=localhost``, which
-    on another host is that host (measured: a quorum across two network namespaces failed
-    every configure). Its store listens on every interface: advertise this host instead."""
+    group's host. torchrun's c10d rendezvous (``--standalone`` included) hands its workers
+    ``MASTER_ADDR`` = the agent's ``socket.getfqdn()``, which is a loopback name wherever
+    ``/etc/hosts`` maps the host name to 127.0.x.x (Debian's default; "localhost" here), and
+    the static backend gives 127.0.0.1: on another host that is the other host (measured: a
+    quorum across two network namespaces failed every configure). torchrun's store listens on
+    every interface, so this host's advertised name reaches it. The Manager connects to it by
+    that name too: ``HOST_VAR`` must then be an address of this host (not a NAT's)."""
     return advertised if identity.resolves_to_loopback(store_host) else store_host
 
 
@@ -257,6 +265,7 @@ class Replica:
 
         self.config = config
         self.group = group = _GroupEnv.from_environ()
+        self._oversized_in_a_row = 0
         # The replica id torchft and the Lighthouse see: "<name>@<job>@<K>_<group>".
         self.member_id = identity.member_id(config.name, config.job, config.replica_group, group.world_size)
         self._own_store: object = None  # kept alive: the Manager and its peers use it
@@ -368,15 +377,33 @@ class Replica:
         batch = position() if position is not None else step
         # The data-parallel members are the quorum's groups times each group's workers.
         k = self.group.world_size
-        if world * k > schedule.global_batch:  # every participant of a quorum sees the same count
-            raise UsageError(
-                f"the quorum for step {step} holds {world} replica groups of {k} workers, {world * k} members "
-                f"for a global batch of {schedule.global_batch}: each member needs a sample",
-                f"use a global batch of {world * k} or more, or fewer replica groups or workers per group",
-            )
         world, rank = world * k, int(rank) * k + self.group.rank
+        if world > schedule.global_batch:  # every participant of the quorum sees the same count
+            return self._oversized(schedule, step, batch, world, rank, heal, seconds)
+        self._oversized_in_a_row = 0
         share = schedule.share(batch, world, rank)
         return StepAttempt(step, world, rank, share, heal, seconds)
+
+    def _oversized(
+        self, schedule: QuorumSchedule, step: int, batch: int, world: int, rank: int, heal: Heal | None, seconds: float
+    ) -> StepAttempt:
+        """A quorum with more members than the global batch has samples. It may be a moment's
+        (a dead group's request still counted, or a group too many that will fail and leave), so
+        the attempt is refused (its commit fails and the next quorum is formed) rather than the job
+        ended; only ``MAX_OVERSIZED_IN_A_ROW`` such quorums in a row are a configuration error.
+        The refused attempt trains one sample per member (any valid share: nothing commits)."""
+        self._oversized_in_a_row += 1
+        if self._oversized_in_a_row > MAX_OVERSIZED_IN_A_ROW:
+            raise UsageError(
+                f"the quorum for step {step} holds {world} members ({world // self.group.world_size} replica "
+                f"groups of {self.group.world_size} workers) for a global batch of {schedule.global_batch}, "
+                f"{self._oversized_in_a_row} quorums in a row: each member needs a sample",
+                f"use a global batch of {world} or more, or fewer replica groups or workers per group",
+            )
+        self.refuse(f"{world} members for a global batch of {schedule.global_batch}")
+        last = schedule.global_batch - 1
+        share = schedule.share(batch, schedule.global_batch, min(rank, last))
+        return StepAttempt(step, schedule.global_batch, min(rank, last), share, heal, seconds)
 
     def average(self, tensors: Sequence[torch.Tensor], timeout_s: float | None = None) -> bool:
         """Average ``tensors`` in place over the attempt's participants, in one collective.

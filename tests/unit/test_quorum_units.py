@@ -25,7 +25,7 @@ from elastic_train.errors import UsageError
 from elastic_train.metrics import MetricSums, format_digest, index_digest
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum.launch import Agent, Slot, parse
-from elastic_train.quorum.replica import Replica, ReplicaConfig, _GroupEnv
+from elastic_train.quorum.replica import MAX_OVERSIZED_IN_A_ROW, Replica, ReplicaConfig, _GroupEnv
 from elastic_train.quorum.run import replica_config
 from elastic_train.quorum.schedule import QuorumSchedule
 from elastic_train.quorum.strategy import (
@@ -278,21 +278,31 @@ def _replica_in_quorum(groups: int, group_rank: int, group_size: int) -> Replica
     replica = object.__new__(Replica)
     replica.config = ReplicaConfig("http://127.0.0.1:1", groups - 1)
     replica.group = _GroupEnv(group_rank, group_size, None, None)
+    replica._oversized_in_a_row = 0
     replica.manager = SimpleNamespace(
         start_quorum=lambda: None,
         current_step=lambda: 7,
         num_participants=lambda: groups,
         participating_rank=lambda: groups - 1,
+        errors=[],
     )
+    replica.manager.report_error = replica.manager.errors.append
     return replica
 
 
-def test_a_quorum_with_more_members_than_samples_in_a_global_batch_is_refused_naming_the_fix() -> None:
+def test_a_quorum_with_more_members_than_samples_is_refused_and_only_a_standing_one_ends_the_job() -> None:
     schedule = QuorumSchedule(num_samples=64, global_batch=8, seed=0)
     attempt = _replica_in_quorum(groups=4, group_rank=1, group_size=2).begin_step(schedule)
     assert (attempt.world, attempt.rank, len(attempt.share.indices)) == (8, 7, 1)  # 4 x 2 = 8: one sample each
-    with pytest.raises(UsageError, match=r"5 replica groups of 2 workers, 10 members for a global batch of 8"):
-        _replica_in_quorum(groups=5, group_rank=0, group_size=2).begin_step(schedule)
+    # A group too many (or a dead group's request counted for a moment): the attempt is refused,
+    # so its commit fails and the next quorum is formed, but the job goes on.
+    replica = _replica_in_quorum(groups=5, group_rank=1, group_size=2)
+    for _ in range(MAX_OVERSIZED_IN_A_ROW):
+        refused = replica.begin_step(schedule)
+        assert len(refused.share.indices) == 1 and refused.rank == 7  # a valid share; nothing commits
+    assert len(replica.manager.errors) == MAX_OVERSIZED_IN_A_ROW  # every one of them voted down
+    with pytest.raises(UsageError, match=r"10 members \(5 replica groups of 2 workers\) for a global batch of 8"):
+        replica.begin_step(schedule)  # a standing surplus is bad input: exit 2 naming the fix
     with pytest.raises(UsageError, match=r"a replica group of 9 workers cannot share a global batch of 8"):
         QuorumSteps(_replica_in_quorum(groups=1, group_rank=0, group_size=9), schedule)
 
