@@ -160,15 +160,20 @@ def test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_gro
             assert (0.45 < share < 0.55) if parallel == "fsdp" else share == 1.0, (g, r, model)
 
     assert_exactly_once(logs, killed_at)
-    done = [[e for e in log if e["event"] == "done"] for log in logs.values()]
-    assert all(len(d) == 1 and d[0]["step"] == STEPS for d in done), done
-    assert len({d[0]["sha256"] for d in done}) == 1, "the workers ended with different weights"
+    assert_finished_equal(logs, STEPS)
     alone = [c for c in commits(logs[(SURVIVOR, 0)]) if c["time"] > killed_at and c["world"] == K]
     print(
         f"\ngroups ({parallel}): the other group committed alone {alone[0]['time'] - killed_at:.2f}s after the "
         f"kill; the killed group healed (restart, import, quorum, shard fetch) to step {to_steps.pop()} "
         f"{max(back):.2f}s after it; test {time.monotonic() - started:.1f}s"
     )
+
+
+def assert_finished_equal(logs: dict[tuple[int, int], list[dict[str, Any]]], steps: int) -> None:
+    """Every worker finished once, at ``steps``, and all hold the same weights."""
+    done = [[e for e in log if e["event"] == "done"] for log in logs.values()]
+    assert all(len(d) == 1 and d[0]["step"] == steps for d in done), done
+    assert len({d[0]["sha256"] for d in done}) == 1, "the workers ended with different weights"
 
 
 def assert_exactly_once(
@@ -262,9 +267,7 @@ def test_a_frozen_worker_takes_its_group_out_the_other_group_commits_on_and_the_
         assert len(heals) == 1 and 0 < heals[0]["to_step"] < steps, heals
         back.append(heals[0]["time"] - frozen_at)
     assert_exactly_once(logs, frozen_at, steps)
-    done = [[e for e in log if e["event"] == "done"] for log in logs.values()]
-    assert all(len(d) == 1 and d[0]["step"] == steps for d in done), done
-    assert len({d[0]["sha256"] for d in done}) == 1, "the workers ended with different weights"
+    assert_finished_equal(logs, steps)
     print(
         f"\nfrozen worker: the other group committed alone {alone_at - frozen_at:.2f}s after the SIGSTOP "
         f"(peer silence 3 s); the frozen group was back {max(back):.1f}s after it; "
