@@ -153,11 +153,11 @@ class _GuardedClient:
                 f"give each job its own Lighthouse (--lighthouse-port or --lighthouse), and every replica "
                 f"of one job the same {JOB_VAR}",
             )
-        other = sorted(r for r in quorum.replica_ids if group_size_of(r) != self._group_size)
+        declared = {r: group_size_of(r) for r in sorted(quorum.replica_ids)}
+        other = {r: k for r, k in declared.items() if k != self._group_size}
         if other:
             sizes = ", ".join(
-                f"{r} ({group_size_of(r)} workers)" if group_size_of(r) else f"{r} (no group size: another version)"
-                for r in other
+                f"{r} ({k} workers)" if k else f"{r} (no group size: another version)" for r, k in other.items()
             )
             raise GroupSizeError(
                 f"replica {self._replica} is a group of {self._group_size} workers, but the quorum also holds "

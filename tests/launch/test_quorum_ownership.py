@@ -119,18 +119,8 @@ def test_two_jobs_sent_to_one_lighthouse_refuse_each_other_instead_of_training_t
 def test_more_replica_groups_than_samples_in_a_global_batch_exit_2_at_the_first_attempt(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
-    three = [*AGENT[:4], "3", "--max-restarts", "2"]  # three groups, restarts allowed
-    command = [
-        *three,
-        "-m",
-        "elastic_train",
-        *TRAIN[:-4],
-        "--batch-size",
-        "2",
-        "--checkpoint-dir",
-        str(tmp_path / "ckpt"),
-    ]
-    command += ["--log-dir", str(tmp_path / "logs")]
+    # Three groups with restarts allowed; the later --batch-size wins over TRAIN's.
+    command = [*agent_command(tmp_path, "--nproc-per-node", "3", "--max-restarts", "2"), "--batch-size", "2"]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == ExitCode.USAGE, done.stdout + done.stderr
     assert "3 replica groups cannot share a global batch of 2" in done.stdout + done.stderr
