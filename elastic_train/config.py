@@ -142,11 +142,6 @@ class TrainConfig:
         self._check_choice("--amp-dtype", self.amp_dtype, AMP_DTYPES)
         self._check_choice("--ft", self.ft, FT_MODES)
         self._check_choice("--parallel", self.parallel, PARALLEL_MODES)
-        if self.parallel == "fsdp" and self.ft == "quorum":
-            raise UsageError(
-                "--parallel fsdp runs in --ft restart only: a quorum replica is one process, nothing to shard over",
-                "use --ft restart with --parallel fsdp, or --parallel ddp with --ft quorum",
-            )
         if self.parallel == "fsdp" and self.amp and self.amp_dtype == "fp16":
             raise UsageError(
                 "--amp-dtype fp16 with --parallel fsdp: FSDP's mixed precision here is bf16 (no loss scaling)",

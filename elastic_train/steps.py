@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.distributed.env import DistEnv
+from elastic_train.distributed.shard_state import load_module_shards, load_optimizer_shards, local_shard, local_state
 from elastic_train.errors import UsageError
 from elastic_train.quorum.replica import Replica, StepAttempt
 from elastic_train.quorum.schedule import QuorumSchedule
@@ -165,13 +166,13 @@ class QuorumSteps:
     def register_model(self, name: str, module: nn.Module) -> None:
         """The module's parameters and buffers, as this worker holds them: a sharded parameter
         as its local shard, which the healing worker of the same group rank copies into its own."""
-        self.replica.register_state(name, partial(_load_module_shards, module), lambda: _local(module.state_dict()))
+        self.replica.register_state(name, partial(load_module_shards, module), lambda: local_state(module.state_dict()))
 
     def register_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's state (moments, step counts) as this worker holds it: the moments of
         a sharded parameter as their local shard, made sharded again on load."""
         self.replica.register_state(
-            name, partial(_load_optimizer_shards, optimizer), lambda: _local(optimizer.state_dict())
+            name, partial(load_optimizer_shards, optimizer), lambda: local_state(optimizer.state_dict())
         )
 
     def begin_step(self) -> StepAttempt:
@@ -192,7 +193,7 @@ class QuorumSteps:
             if p.requires_grad:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                shards.append(_shard_of(p.grad))
+                shards.append(local_shard(p.grad))
         return self.replica.average([*shards, *extras])
 
     def commit(self, apply: Callable[[], None]) -> bool:
@@ -214,56 +215,3 @@ def _average_in_group(tensors: Sequence[torch.Tensor], size: int) -> None:
 
 def _on_cuda(module: nn.Module) -> bool:
     return any(p.is_cuda for p in module.parameters())
-
-
-def _is_sharded(value: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def _shard_of(tensor: torch.Tensor) -> torch.Tensor:
-    """This worker's local shard of a DTensor (a view: writing it writes the DTensor), else the tensor."""
-    return tensor.to_local() if _is_sharded(tensor) else tensor  # type: ignore[attr-defined,no-any-return]
-
-
-def _local(state: T) -> T:
-    """``state`` with every DTensor replaced by its local shard: what a heal moves per worker."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda v: _shard_of(v) if isinstance(v, torch.Tensor) else v, state)  # type: ignore[no-any-return]
-
-
-@torch.no_grad()
-def _load_module_shards(module: nn.Module, incoming: dict[str, torch.Tensor]) -> None:
-    """Copy a peer's local shards into this worker's (same group rank: same shard shapes)."""
-    current = module.state_dict()
-    if set(incoming) != set(current):
-        raise ValueError(f"the peer's module state has other keys: {sorted(set(incoming) ^ set(current))[:5]}")
-    for key, value in incoming.items():
-        target = _shard_of(current[key])
-        if target.shape != value.shape:
-            raise ValueError(f"{key}: the peer's shard is {tuple(value.shape)}, this worker's {tuple(target.shape)}")
-        target.copy_(value)
-
-
-def _load_optimizer_shards(optimizer: torch.optim.Optimizer, incoming: dict[str, Any]) -> None:
-    """Load a peer's optimizer state whose sharded moments arrive as local shards: each becomes
-    a DTensor again, placed like the parameter it belongs to."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for index, values in incoming["state"].items():
-        param = params[int(index)]
-        if _is_sharded(param):
-            values = {
-                key: DTensor.from_local(
-                    v, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
-                )
-                if isinstance(v, torch.Tensor) and v.shape == param.to_local().shape and v.dim() > 0
-                else v
-                for key, v in values.items()
-            }
-        state[index] = values
-    optimizer.load_state_dict({**incoming, "state": state})

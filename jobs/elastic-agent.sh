@@ -15,6 +15,8 @@
 #
 # Knobs (environment; runtime ones in jobs/lib/common.sh):
 #   ET_FT              restart (default): torchrun, the semantics above | quorum (needs torchft)
+#   ET_PROCS_PER_REPLICA  ET_FT=quorum: workers per replica group (default 1; the node's GPU count
+#                      makes each node one replica, DDP or FSDP2 inside by --parallel)
 #   ET_RDZV_ENDPOINT   host:port of the rendezvous store (required, restart mode)
 #   ET_RDZV_ID         job id shared by all agents (default: $SLURM_JOB_ID, else "elastic-train"; with
 #                      neither, the job's identity, the checkpoint lock's owner, is minted once in the
@@ -80,8 +82,9 @@ if [ "$ET_FT_MODE" = quorum ]; then
   coordinator="node $node_rank of ${nnodes##*:}, $coordinator"
   # Replica groups are numbered node_rank * nproc + local, so --nnodes is the job's node count
   # (MAX): any number of survivors trains on, the Lighthouse's quorum has no larger minimum.
+  et_quorum_shape "$nproc"
   launch=(python -m elastic_train.quorum.launch --nnodes "${nnodes##*:}" --node-rank "$node_rank"
-    --nproc-per-node "$nproc" --max-restarts "${ET_MAX_RESTARTS:-3}"
+    "${ET_QUORUM_SHAPE[@]}" --max-restarts "${ET_MAX_RESTARTS:-3}"
     --run-id "${ET_RDZV_ID:-${SLURM_JOB_ID:-elastic-train}}" "${lighthouse[@]}")
 else
   endpoint=${ET_RDZV_ENDPOINT:?ET_RDZV_ENDPOINT=host:port of the rendezvous store is required}

@@ -105,6 +105,16 @@ def bind_address(advertised: str, environ: Mapping[str, str] = os.environ) -> st
     return str(infos[0][4][0])
 
 
+def listen(address: str) -> socket.socket:
+    """A listening TCP socket on ``address``, any free port: a store handed it (``TCPStore``'s
+    ``master_listen_fd``) listens there only, where TCPStore itself would bind every interface."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind((address, 0))
+    listener.listen(512)
+    return listener
+
+
 def resolves_to_loopback(host: str) -> bool:
     """True when ``host`` (a name or an address) means this host only: loopback, or a name
     whose every address here is loopback (``localhost``; Debian's 127.0.1.1 host name)."""

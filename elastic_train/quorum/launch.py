@@ -2,12 +2,20 @@
 
     python -m elastic_train.quorum.launch --nproc-per-node 2 --max-restarts 3 -m elastic_train [trainer flags]
 
-What torchrun's agent does for a group of workers, this agent does for each worker alone: every
-worker is its own replica group, and when one fails only that one is restarted (torchrun would
-stop every worker of the node and restart them all from the checkpoint). The survivors keep
-training; the new worker heals from one of them. Workers are forked warm from multiprocessing's
-forkserver, which imported torch, torchft and the trainer once, so a restart skips the
-interpreter start-up and the imports (``elastic_train.launch`` does the same for torchrun).
+What torchrun's agent does for a group of workers, this agent does for each replica group
+alone: when a group's worker fails only that group is restarted (torchrun would stop every
+worker of the node and restart them all from the checkpoint). The survivors keep training; the
+new group heals from one of them. Workers are forked warm from multiprocessing's forkserver,
+which imported torch, torchft and the trainer once, so a restart skips the interpreter start-up
+and the imports (``elastic_train.launch`` does the same for torchrun).
+
+* ``--procs-per-replica K`` (default 1): each replica group is K workers with DDP or FSDP2
+  (``--parallel``) inside it, the quorum across the groups (torchft's fault-tolerant HSDP
+  shape). ``--nproc-per-node`` counts groups: a node runs N x K workers. The group's workers
+  meet in a store this agent hosts (``MASTER_ADDR``/``MASTER_PORT``, a new one for each attempt
+  of the group, as torchrun's agent does, on a port the kernel chose: no other process can hold
+  it); when one of them fails, the others are SIGKILLed (a SIGTERM would be a preemption to the
+  trainer) and the group restarts.
 
 * ``--lighthouse URL``: the quorum's Lighthouse. Without it, node 0's agent starts one on this
   host for the job's lifetime (``--lighthouse-port``: a free one on one node, 29510 on several;
@@ -47,6 +55,7 @@ from dataclasses import dataclass, field
 from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from elastic_train.errors import UsageError
 from elastic_train.outcome import ExitCode
@@ -73,10 +82,11 @@ FINAL = {ExitCode.OK, ExitCode.PREEMPTED, ExitCode.STOPPED, ExitCode.INTERRUPTED
 
 def worker(environ: dict[str, str], argv: list[str]) -> None:
     """A worker's entry point, in a process forked from the preloaded forkserver."""
-    os.environ.update(environ)
-    # A job template's MASTER_ADDR/PORT would become every replica's own store: each hosts its own.
+    # A job template's MASTER_ADDR/PORT would become every replica's own store: a group of one
+    # hosts its own; a larger group's are its agent's, in ``environ``.
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
+    os.environ.update(environ)
     # The worker stays in the agent's process group (a node's processes freeze and die together
     # with it): a Ctrl-C reaches it from the terminal and, milliseconds later, as the agent's
     # forwarded copy, which the trainer takes for one press (resilience/preemption.py).
@@ -93,13 +103,48 @@ def worker(environ: dict[str, str], argv: list[str]) -> None:
 
 @dataclass
 class Slot:
-    """One replica group on this node: its worker, and how often it was restarted."""
+    """One replica group on this node: its workers, and how often it was restarted."""
 
     group: int
     restarts: int = 0
-    proc: ForkServerProcess | None = None
+    procs: list[ForkServerProcess] = field(default_factory=list)
     started: float = 0.0
-    codes: list[int] = field(default_factory=list)
+    codes: list[int] = field(default_factory=list)  # the group's code at each end
+    failure: int | None = None  # the first failure of the current attempt (siblings are then killed)
+    store: Any = None  # the group's store for its current attempt (a TCPStore), when it has several workers
+    address: str = ""  # where the group's workers reach ``store``
+
+    def exitcodes(self) -> list[int | None]:
+        return [proc.exitcode for proc in self.procs]
+
+    def signal(self, signum: int) -> None:
+        for proc in self.procs:
+            if proc.pid is not None and proc.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
+
+    def ended(self) -> int | None:
+        """None while the group runs. A worker that failed (or exited 2, bad input) ends the
+        group: its siblings are killed (they may be blocked in a collective with it) and the
+        first failure is the group's code, bad input before any. Otherwise every worker ended on
+        its own: the first nonzero code, else 0."""
+        codes = self.exitcodes()
+        # Bad input ends the group too: a sibling would fail in a collective with it (and be
+        # restarted for it), and the agent must see the usage error, not that crash.
+        failed = [c for c in codes if c is not None and (c not in FINAL or c == ExitCode.USAGE)]
+        if ExitCode.USAGE in failed:
+            self.failure = ExitCode.USAGE
+        elif failed and self.failure is None:
+            self.failure = failed[0]
+        if None in codes:
+            if self.failure is not None:
+                self.signal(signal.SIGKILL)
+            return None
+        for proc in self.procs:
+            proc.join()
+        if self.failure is not None:
+            return self.failure
+        return next((c for c in codes if c), 0)  # type: ignore[misc]
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -118,6 +163,12 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         ours, trainer = argv, []
     p = argparse.ArgumentParser(prog="python -m elastic_train.quorum.launch", description=__doc__.splitlines()[0])
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="replica groups on this node")
+    p.add_argument(
+        "--procs-per-replica",
+        type=int,
+        default=1,
+        help="workers per replica group (DDP or FSDP2 inside it, --parallel); a node runs nproc-per-node x this",
+    )
     p.add_argument("--nnodes", type=int, default=int(os.environ.get("SLURM_NNODES", "1")))
     p.add_argument("--node-rank", "--node_rank", type=int, default=int(os.environ.get("SLURM_NODEID", "0")))
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, help="per replica group")
@@ -132,6 +183,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args = p.parse_args(ours)
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         p.error(f"--nproc-per-node {args.nproc_per_node}, --nnodes {args.nnodes}, --node-rank {args.node_rank}: bad")
+    if args.procs_per_replica < 1:
+        p.error(f"--procs-per-replica {args.procs_per_replica}: a replica group needs 1 worker or more")
     if args.nnodes > 1 and args.run_id is None and not os.environ.get("SLURM_JOB_ID"):
         p.error("--nnodes > 1 needs one --run-id for every node's agent (the job's checkpoint lock is shared by it)")
     if args.nnodes > 1 and len(os.environ.get(SECRET_VAR, "")) < identity.MIN_SECRET_CHARS:
@@ -160,20 +213,29 @@ class Agent:
         self.ctx = multiprocessing.get_context("forkserver")
         self.stopping: int | None = None  # the stop signal received, if any
         self.failures: list[int] = []  # every worker exit, in the order they were seen
+        self.k = args.procs_per_replica
+        self.local_workers = args.nproc_per_node * self.k
         cores = len(os.sched_getaffinity(0))
-        self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // args.nproc_per_node))
+        self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // self.local_workers))
 
-    def environ(self, slot: Slot) -> dict[str, str]:
+    def environ(self, slot: Slot, rank: int = 0) -> dict[str, str]:
         # On one node every listener (a replica's store and state server) stays on loopback.
         local = {HOST_VAR: "127.0.0.1"} if self.args.nnodes == 1 and not os.environ.get(HOST_VAR) else {}
+        if self.k > 1:  # the group's world: its agent's store (torchrun's variables, as torchrun sets them)
+            local.update(
+                MASTER_ADDR=slot.address,
+                MASTER_PORT=str(slot.store.port),
+                TORCHELASTIC_USE_AGENT_STORE="True",
+            )
         return {
             **local,
-            # A world of one for torch.distributed; the local rank picks the GPU (cuda:<local
-            # rank>) and the local world size the CPU threads, as under torchrun.
-            "RANK": "0",
-            "LOCAL_RANK": str(slot.group - self.args.node_rank * self.args.nproc_per_node),
-            "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": str(self.args.nproc_per_node),
+            # The replica group's world for torch.distributed (a world of one by default); the
+            # local rank picks the GPU (cuda:<local rank>) and the local world size the CPU
+            # threads, as under torchrun.
+            "RANK": str(rank),
+            "LOCAL_RANK": str((slot.group - self.args.node_rank * self.args.nproc_per_node) * self.k + rank),
+            "WORLD_SIZE": str(self.k),
+            "LOCAL_WORLD_SIZE": str(self.local_workers),
             "GROUP_RANK": str(self.args.node_rank),
             "REPLICA_GROUP_ID": str(slot.group),
             "TORCHELASTIC_RESTART_COUNT": str(slot.restarts),
@@ -186,19 +248,39 @@ class Agent:
         }
 
     def start(self, slot: Slot) -> None:
-        proc = self.ctx.Process(
-            target=worker, args=(self.environ(slot), self.trainer_argv), name=f"replica-{slot.group}"
-        )
-        proc.start()
-        slot.proc, slot.started = proc, time.monotonic()
-        print(f"[quorum-agent] replica group {slot.group}: worker pid {proc.pid} (restart {slot.restarts})", flush=True)
+        if self.k > 1:
+            # A new store for each attempt of the group, as torchrun's agent makes one for each
+            # rendezvous round: the workers' process group reads its peers' addresses from fixed
+            # keys, and a restarted worker must never find its predecessor's there.
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            slot.store = None  # the previous attempt's closes
+            slot.address = "127.0.0.1" if self.args.nnodes == 1 else _host_address()
+            # On the job's interface only (loopback on one node), as every replica's own store.
+            listener = identity.listen(identity.bind_address(slot.address))
+            slot.store = TCPStore(
+                slot.address,
+                listener.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
+        slot.procs, slot.failure, slot.started = [], None, time.monotonic()
+        for rank in range(self.k):
+            name = f"replica-{slot.group}" if self.k == 1 else f"replica-{slot.group}.{rank}"
+            proc = self.ctx.Process(target=worker, args=(self.environ(slot, rank), self.trainer_argv), name=name)
+            proc.start()
+            slot.procs.append(proc)
+            where = "" if self.k == 1 else f", group rank {rank}"
+            print(
+                f"[quorum-agent] replica group {slot.group}: worker pid {proc.pid} (restart {slot.restarts}){where}",
+                flush=True,
+            )
 
     def forward(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = signum
         for slot in self.slots:
-            if slot.proc is not None and slot.proc.pid is not None and slot.proc.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(slot.proc.pid, signum)
+            slot.signal(signum)
 
     def run(self) -> int:
         for sig in STOP_SIGNALS:
@@ -215,11 +297,9 @@ class Agent:
             time.sleep(POLL_S)
             self.supervise_lighthouse()
             for slot in list(live):
-                assert slot.proc is not None
-                code = slot.proc.exitcode
+                code = slot.ended()
                 if code is None:
                     continue
-                slot.proc.join()
                 slot.codes.append(code)
                 self.failures.append(code)
                 live.remove(slot)
@@ -238,6 +318,8 @@ class Agent:
                         f"[quorum-agent] replica group {slot.group}: worker exited with {code}; not restarted",
                         flush=True,
                     )
+        for slot in self.slots:
+            slot.store = None  # the groups' stores close with the job
         return self.outcome()
 
     def supervise_lighthouse(self) -> None:

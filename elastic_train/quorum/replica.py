@@ -1,7 +1,7 @@
 """One replica group's side of quorum training, on torchft's ``Manager``.
 
-A replica group is the workers of one torchrun agent: one (``--nproc-per-node=1``, the trainer's
-quorum mode) or K, with DDP inside the group (a custom loop, ``steps.QuorumSteps``). Its agent
+A replica group is the workers of one agent: one, or K with DDP or FSDP2 inside the group (the
+quorum agent's ``--procs-per-replica K``, or a torchrun agent per group). Its agent
 restarts the group when one of them dies, and each new worker fetches the current state from the
 worker of the same group rank in a live peer group instead of a checkpoint. Every step
 (``Replica.begin_step``) the replicas that are alive form a quorum through the Lighthouse
@@ -31,7 +31,7 @@ Choices that differ from torchft's own recipe, and why:
   initial weights identically need no state transfer at step 0; a replica behind the quorum's
   step heals either way.
 
-Limits (this slice): the trainer runs one worker per replica group (``quorum.run``); the gradient average
+Limits: the gradient average
 runs after the backward pass, in one flat copy of the gradients (no overlap with backward as
 DDP's buckets give); the Lighthouse is a single point of failure (without it ``begin_step``
 raises after ``quorum_timeout_s`` and the worker exits); a failure inside the optimizer step
@@ -227,15 +227,6 @@ def _reachable(store_host: str, advertised: str) -> str:
     return advertised if identity.resolves_to_loopback(store_host) else store_host
 
 
-def _listen(address: str) -> socket.socket:
-    """A listening TCP socket on ``address``, any free port."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.bind((address, 0))
-    listener.listen(512)
-    return listener
-
-
 def _state_transport(config: ReplicaConfig) -> Any:
     """The state transfer to and from healing peers: tensors and JSON signed with the job's
     secret, never pickle (torchft's own unpickles what any peer serves), served on the job's
@@ -274,7 +265,7 @@ class Replica:
             # The quorum's process group meets in its first participant's store: peers on other
             # hosts connect to it by the advertised name. It listens on the job's interface only
             # (TCPStore itself binds every interface): on a socket bound here, handed over.
-            listener = _listen(identity.bind_address(config.hostname))
+            listener = identity.listen(identity.bind_address(config.hostname))
             store = torch.distributed.TCPStore(  # type: ignore[attr-defined]
                 config.hostname,
                 listener.getsockname()[1],
@@ -457,6 +448,11 @@ class Replica:
             self.manager.report_error(exc)
             return False
         return True
+
+    @property
+    def refused(self) -> bool:
+        """The current attempt already failed here (a collective, ``refuse``): it cannot commit."""
+        return self.manager.errored() is not None
 
     def refuse(self, reason: str) -> None:
         """Make this attempt's commit vote fail (the participants disagree on something the

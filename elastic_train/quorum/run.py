@@ -1,9 +1,11 @@
 """One replica group's worker in quorum mode (``--ft quorum``): ``run.train`` hands over here.
 
-The worker is a world of one for torch.distributed (its checkpoint collectives are trivial; a
-HashStore, no port) and a replica group for torchft: ``Replica`` joins the quorum through the
-Lighthouse. Its agent (``elastic_train.quorum.launch``) sets ``REPLICA_GROUP_ID``,
-``TORCHFT_LIGHTHOUSE`` and the job id shared by every replica (the checkpoint lock's owner).
+The replica group is the worker's world for torch.distributed: a world of one by default (its
+checkpoint collectives are trivial; a HashStore, no port), or K workers with DDP or FSDP2
+inside (``--procs-per-replica K``: they meet in their agent's store). For torchft it is one
+replica group: ``Replica`` joins the quorum through the Lighthouse. Its agent
+(``elastic_train.quorum.launch``) sets ``REPLICA_GROUP_ID``, ``TORCHFT_LIGHTHOUSE`` and the job
+id shared by every replica (the checkpoint lock's owner).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from elastic_train.faults import CheckpointFaults, FaultInjector
 from elastic_train.logs import Console, MetricsFile, attach_rank_log
 from elastic_train.outcome import ExitCode, continue_hint, stop_marker, write_stop_marker
 from elastic_train.quorum import warm
+from elastic_train.quorum.group_comm import GroupComm
 from elastic_train.quorum.names import GROUPS_VAR
 from elastic_train.quorum.replica import Replica, ReplicaConfig
 from elastic_train.quorum.strategy import QuorumStrategy, Rejoin
@@ -87,21 +90,21 @@ def train_quorum(
 ) -> int:
     """The whole run of this replica group's worker; returns its exit code. ``task`` None: the
     one ``cfg`` names (built in, or ``--task``), taken from the forkserver when it opened it."""
-    if env.world_size != 1:
+    if cfg.parallel == "fsdp" and env.world_size == 1:
         raise UsageError(
-            f"--ft quorum runs one worker per replica group, but WORLD_SIZE={env.world_size}",
-            "launch with python -m elastic_train.quorum.launch --nproc-per-node N (each worker is its own group)",
+            "--parallel fsdp in quorum mode shards the model inside a replica group, and this group has one worker",
+            "launch with python -m elastic_train.quorum.launch --procs-per-replica 2 (or more), or use --parallel ddp",
         )
     config = replica_config(cfg)
     if placement.is_cuda:  # torchft's streams and syncs use the current device: this replica's GPU
         torch.cuda.set_device(placement.device)
-    dist.init_process_group(
-        "gloo",
-        store=dist.HashStore(),  # type: ignore[attr-defined]
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=cfg.collective_timeout),
-    )
+    timeout = timedelta(seconds=cfg.collective_timeout)
+    if env.world_size == 1:  # a group of one worker: a world of one, no port
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)  # type: ignore[attr-defined]
+    else:
+        # The replica group's K workers (DDP or FSDP2 inside it) meet in their agent's store
+        # (MASTER_ADDR/PORT: torchrun's, or the quorum agent's for --procs-per-replica).
+        dist.init_process_group(placement.backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
     try:
         return _run(cfg, env, placement, task, preemption, config, clock or StartupClock())
     finally:
@@ -137,11 +140,14 @@ def _run(
         raise UsageError(
             f"--checkpoint-dir {cfg.checkpoint_dir} cannot be used: {exc}", "pass a writable folder"
         ) from None
-    attach_rank_log(cfg.log_dir, env, f"{config.replica_id}.jsonl")
+    # One log per worker: "replica_<group>.jsonl", and ".rank<r>" in a group of several workers.
+    name = config.replica_id if env.world_size == 1 else f"{config.replica_id}.rank{env.rank}"
+    attach_rank_log(cfg.log_dir, env, f"{name}.jsonl")
     log.info(
         "start",
         mode="quorum",
         replica=config.replica_id,
+        group_rank=env.rank,
         restart=env.restart_count,
         version=__version__,
         device=str(placement.device),
@@ -149,19 +155,28 @@ def _run(
         startup_s=clock.phases(),
     )
     console, metrics = Console(env), MetricsFile(cfg.log_dir, env)
-    # Every replica is rank 0 of its own world of one: the replica group names its hang marker,
-    # else one replica's marker would overwrite another's.
-    watchdog = StepWatchdog(cfg.hang_timeout, config.replica_group, marker_dir=cfg.checkpoint_dir)
+    # Each worker's hang marker is named by its place in the job (group x K + group rank), else
+    # one replica's marker would overwrite another's.
+    worker = config.replica_group * env.world_size + env.rank
+    watchdog = StepWatchdog(cfg.hang_timeout, worker, marker_dir=cfg.checkpoint_dir)
     checkpointer.heartbeat = watchdog.alive
     if preemption.grace is not None:
         preemption.grace.progress = lambda: watchdog.last_progress
     groups = int(os.environ.get(GROUPS_VAR, "1"))
-    if groups > cfg.batch_size:  # a full quorum would leave a replica without a sample
+    workers = groups * env.world_size
+    if workers > cfg.batch_size:  # a full quorum would leave a worker without a sample
+        if env.world_size == 1:
+            raise UsageError(
+                f"{groups} replica groups cannot share a global batch of {cfg.batch_size}: each needs a sample",
+                f"pass --batch-size {groups} or more, or launch {cfg.batch_size} replica groups or fewer",
+            )
         raise UsageError(
-            f"{groups} replica groups cannot share a global batch of {cfg.batch_size}: each needs a sample",
-            f"pass --batch-size {groups} or more, or launch {cfg.batch_size} replica groups or fewer",
+            f"{groups} replica groups of {env.world_size} workers cannot share a global batch of "
+            f"{cfg.batch_size}: each worker needs a sample",
+            f"pass --batch-size {workers} or more, or launch fewer replica groups or workers per group",
         )
-    strategy = QuorumStrategy(cfg, checkpointer, preemption, watchdog, groups, faults, clock.started)
+    comm = GroupComm.of_default_group()
+    strategy = QuorumStrategy(cfg, checkpointer, preemption, watchdog, groups, faults, clock.started, comm)
     init = None
     if cfg.init_from is not None and latest_target(cfg.checkpoint_dir) is None:
         # --init-from on a fresh job: every replica the same weights (no checkpoint yet; once

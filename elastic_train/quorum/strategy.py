@@ -2,10 +2,12 @@
 
 The loop (``trainer.Trainer``) is restart mode's: the same task, data order, step, metrics,
 early stop and checkpoints; what this strategy changes is who trains a step (the
-``strategy.StepStrategy`` interface). Each worker is a replica group of its own (``Replica``); every
-step the live replicas form a quorum, split the step's global batch (``QuorumSchedule``), average
-their gradients and vote. A failed attempt is discarded by every participant and redone, with the
-same global batch, by the next quorum; a restarted worker heals from a live peer. So:
+``strategy.StepStrategy`` interface). A replica group is one worker or K (``--procs-per-replica``:
+DDP or FSDP2 inside the group, ``GroupComm`` for its sums); every step the live groups form a
+quorum (``Replica``), split the step's global batch over their workers (``QuorumSchedule``),
+average their gradients across the groups and vote. A failed attempt is discarded by every
+participant and redone, with the same global batch, by the next quorum; a restarted worker heals
+from a live peer. So:
 
 * every committed step trains its global batch exactly once, whatever the membership, and the
   epoch's metrics (correct, loss sum, samples, the sample digest) are SUM-reduced inside the
@@ -36,11 +38,13 @@ mid-save leaves an uncommitted folder that the next save cleans up, never a comm
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,14 +52,17 @@ import numpy as np
 import structlog
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
 from elastic_train.boundary import Decision
 from elastic_train.checkpoint.format import CheckpointInvalid, checkpoint_key, latest_target, step_dir_name, step_of
 from elastic_train.checkpoint.manager import Checkpointer, Loaded, NewerCommitted, choose_checkpoint, load
+from elastic_train.checkpoint.snapshot import Snapshot
 from elastic_train.config import TrainConfig
 from elastic_train.data import Indexed
 from elastic_train.data.sampler import loss_weight, split_evenly
+from elastic_train.distributed.shard_state import load_module_shards, load_optimizer_shards, local_shard, local_state
 from elastic_train.errors import UsageError
 from elastic_train.faults import FaultInjector
 from elastic_train.logs import file_only
@@ -71,6 +78,7 @@ from elastic_train.quorum.agreement import (
     position_block,
     timeline_key,
 )
+from elastic_train.quorum.group_comm import GroupComm
 from elastic_train.quorum.replica import Replica, StepAttempt
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
 from elastic_train.quorum.timeouts import WaitBound
@@ -78,7 +86,7 @@ from elastic_train.resilience.goodput import Accounting
 from elastic_train.resilience.preemption import PreemptionFlag, StopKind
 from elastic_train.resilience.watchdog import StepWatchdog
 from elastic_train.strategy import Attempt, Share
-from elastic_train.trainer import TrainState
+from elastic_train.trainer import TRAIN_DIGEST, TRAIN_SUMS, TrainState
 
 if TYPE_CHECKING:
     from elastic_train.trainer import Trainer
@@ -205,9 +213,10 @@ def digest_lanes(stats: torch.Tensor) -> np.ndarray[Any, Any]:
 
 
 class QuorumStrategy:
-    """The loop's ``StepStrategy`` in quorum mode: this worker is a replica group of its own;
-    each step the live replicas form a quorum (``Replica.begin_step``), train their shares of
-    the step's global batch, average gradients and vote (``Replica.commit``)."""
+    """The loop's ``StepStrategy`` in quorum mode: this worker belongs to a replica group of
+    ``comm.size`` workers; each step the live groups form a quorum (``Replica.begin_step``), their
+    workers train their shares of the step's global batch, average gradients (inside the group
+    by DDP or FSDP2, across the groups here) and vote (``Replica.commit``)."""
 
     def __init__(
         self,
@@ -218,12 +227,16 @@ class QuorumStrategy:
         groups: int = 1,
         faults: FaultInjector | None = None,
         job_start: float | None = None,
+        comm: GroupComm | None = None,
     ) -> None:
         self.cfg = cfg
+        # This worker's replica group (K workers, DDP or FSDP2 inside it; one by default).
+        self.comm = comm if comm is not None else GroupComm()
         self.checkpointer = checkpointer
         self.preemption = preemption
         self.watchdog = watchdog
-        self.processes = groups  # replica groups the job was launched with (start line, summary)
+        self.groups = groups  # replica groups the job was launched with (start line)
+        self.processes = groups * self.comm.size  # workers (the summary's process count)
         self.faults = faults  # injected faults (tests, benchmarks): ``rank`` is the replica group
         self.job_start = job_start or time.time()
         # Inside the step watchdog's limit, which last saw this replica before the round's collective.
@@ -240,6 +253,7 @@ class QuorumStrategy:
         self._buffers_before: list[torch.Tensor] = []
         self._synced_buffers = torch.zeros(0, dtype=torch.float64)
         self._salvage: _Salvage | None = None
+        self._fills = 0  # FSDP2 evaluation: forwards this worker adds to match its group's longest part
         self._step_share: StepShare | None = None  # the current attempt's whole share
         self._prior: torch.Tensor | None = None  # a salvaged attempt's stats, added to this one's
         self._summed = torch.zeros(STATS, dtype=torch.float64)  # the committed step's summed stats
@@ -251,15 +265,31 @@ class QuorumStrategy:
 
     # ------------------------------------------------------------------ the loop's model
     def wrap(self, module: nn.Module, loop: Trainer) -> nn.Module:
-        """The bare module: the replica is a world of one; gradients are averaged across
-        replicas after backward (``reduce_step``)."""
+        """Inside the replica group: the bare module for a group of one worker, DDP over a
+        larger group, or FSDP2 in place over the group (``--parallel fsdp``: the shard
+        dimension inside the group, the replicate dimension managed by the quorum). Across the
+        groups the gradients are averaged after backward (``reduce_step``)."""
         samples = len(loop.data.train)  # type: ignore[arg-type]
         self.schedule = QuorumSchedule(samples, self.cfg.batch_size, self.cfg.seed, self.cfg.max_steps_per_epoch)
         self.train_items = Indexed(loop.data.train, by_epoch=loop.data.train_by_epoch)
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         # Floating or integer module buffers (BatchNorm statistics): kept equal on every replica.
         self._buffers = list(module.buffers())
-        return module
+        if self.cfg.parallel == "fsdp":
+            from elastic_train.distributed.fsdp import mesh_for, shard_model  # DTensor: only when used
+
+            blocks = loop.task.fsdp_blocks(module) if loop.task.fsdp_blocks is not None else None
+            sharded = shard_model(module, mesh_for(loop.device, self.comm.size), blocks, loop.precision.dtype)
+            self.gradient_bytes //= self.comm.size  # each worker averages its own shard across groups
+            return sharded
+        if self.comm.size == 1:
+            return module
+        return DistributedDataParallel(
+            module,
+            device_ids=[loop.device.index] if loop.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=loop.task.find_unused_parameters,
+        )
 
     def bind(self, loop: Trainer) -> None:
         self.loop = loop
@@ -275,8 +305,19 @@ class QuorumStrategy:
         self.replica = replica
         loop = self.loop
         guarded = self.checkpointer.guarded  # the model and optimizer are guarded by their hooks
-        replica.register_state("model", loop.module.load_state_dict, loop.module.state_dict)
-        replica.register_state("optimizer", loop.optimizer.load_state_dict, loop.optimizer.state_dict)
+        module, optimizer = loop.module, loop.optimizer
+        if self.cfg.parallel == "fsdp":
+            # Each worker moves its own shards, from the worker of the same group rank in a live
+            # group (same shard shapes); nothing is gathered.
+            replica.register_state(
+                "model", partial(load_module_shards, module), lambda: local_state(module.state_dict())
+            )
+            replica.register_state(
+                "optimizer", partial(load_optimizer_shards, optimizer), lambda: local_state(optimizer.state_dict())
+            )
+        else:
+            replica.register_state("model", module.load_state_dict, module.state_dict)
+            replica.register_state("optimizer", optimizer.load_state_dict, optimizer.state_dict)
         replica.register_state("scheduler", guarded(loop.scheduler.load_state_dict), loop.scheduler.state_dict)
         scaler = loop.precision.scaler
         if scaler.is_enabled():
@@ -342,9 +383,10 @@ class QuorumStrategy:
         discard storm). The quorum's last participant leaves (restarted, it heals), which
         changes the quorum; the others reconfigure with it."""
         broken, self._broken_group = self._broken_group, None
-        if broken is None or replica.quorum_id != broken or attempt.world < 2:
+        k = self.comm.size
+        if broken is None or replica.quorum_id != broken or attempt.world < 2 * k:
             return
-        if attempt.rank == attempt.world - 1:
+        if attempt.rank // k == attempt.world // k - 1:  # the last group, every worker of it
             raise Rejoin(
                 f"a collective of quorum {broken} failed with every participant alive and the quorum did not "
                 "change: its process group is broken; leaving so that the quorum re-forms (raise --peer-timeout "
@@ -397,6 +439,7 @@ class QuorumStrategy:
             and attempt.heal is None
             and stash.step == share.step
             and not self._buffers
+            and self.comm.size == 1  # DDP / FSDP2 inside a group reduce every backward again
             and set(stash.indices) <= set(share.indices)
         )
         if reuse:
@@ -435,7 +478,9 @@ class QuorumStrategy:
         mine = stats.clone()
         # First the positions (and the sums): gradients of different global batches are never averaged.
         summed = self._exchange(attempt, stats)
-        if summed is None or not self._average_gradients():
+        # The group agrees on its average: a worker that skipped the commit vote while a sibling
+        # cast one would hold the group's vote (torchft waits for every group rank) to its timeout.
+        if summed is None or not self._group_agrees(self._average_gradients()):
             share = self._step_share
             self._salvage = _Salvage(share.step, attempt.world, share.indices, mine)
             return None
@@ -454,11 +499,15 @@ class QuorumStrategy:
         both = torch.cat([stats, block])
         bound = timeout_s if timeout_s is not None else self.exchange_bound.seconds()
         began = time.perf_counter()
-        if not replica.sum(both, timeout_s=bound):
+        summed = replica.sum(both, timeout_s=bound)
+        if not summed:
             log.info("exchange_failed", bound_s=round(bound, 3), after_s=round(time.perf_counter() - began, 3))
             if timeout_s is None:
                 self.exchange_bound.failed(time.perf_counter() - began)
             self._broken_group = replica.quorum_id
+        # Across the groups each worker summed with the same group rank; inside the group the
+        # rest (every worker's row and addends). A sibling's failure fails the whole group.
+        if not self._group_agrees(summed, both):
             return None
         if timeout_s is None:
             self.exchange_bound.record(time.perf_counter() - began)
@@ -483,7 +532,7 @@ class QuorumStrategy:
         if self.faults is not None:  # a slow link on this replica: its peers wait in the average
             time.sleep(self.faults.link_delay(self.gradient_bytes, step + 1))
         began = time.perf_counter()
-        if not self.replica.average_gradients(self.loop.module.parameters(), timeout_s=bound):
+        if not self._average_across_groups(bound):
             after = time.perf_counter() - began
             self.gradient_bound.failed(after)
             self._broken_group = self.replica.quorum_id
@@ -495,14 +544,37 @@ class QuorumStrategy:
             log.info("gradient_average_slow", seconds=round(took, 3), bound_s=round(bound, 3))
         return True
 
+    def _group_agrees(self, ok: bool, tensor: torch.Tensor | None = None) -> bool:
+        """Every worker of this replica group says ``ok`` (and ``tensor`` is SUMmed over the
+        group: ``GroupComm``). A sibling's failed collective is the whole group's: each of its
+        workers then treats the quorum's group as broken (``_leave_a_broken_group``)."""
+        agreed = self.comm.sum(tensor, ok) if tensor is not None else self.comm.all(ok)
+        if not agreed:
+            self._broken_group = self.replica.quorum_id
+        return agreed and ok
+
+    def _average_across_groups(self, bound: float) -> bool:
+        """DDP inside a group (or a group of one) holds whole gradients; FSDP2 reduce-scattered
+        them over the group, and each worker averages its shard with the same shard of every
+        other group (zeros for a parameter without a gradient, so every group sends one layout)."""
+        params = [p for p in self.loop.module.parameters() if p.requires_grad]
+        if self.cfg.parallel != "fsdp":
+            return self.replica.average_gradients(params, timeout_s=bound)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return self.replica.average([local_shard(p.grad) for p in params if p.grad is not None], timeout_s=bound)
+
     def _sync_buffers(self, attempt: Attempt) -> bool:
         """Participant 0's buffers become everyone's, as DDP broadcasts rank 0's: a SUM where
         every other participant contributes zeros (one collective, any dtype via float64)."""
         flat = torch.cat([b.detach().reshape(-1).to(torch.float64).cpu() for b in self._buffers])
         if attempt.rank != 0:
             flat.zero_()
-        if not self.replica.sum(flat, timeout_s=self.exchange_bound.seconds()):
+        summed = self.replica.sum(flat, timeout_s=self.exchange_bound.seconds())
+        if not summed:
             self._broken_group = self.replica.quorum_id
+        if not self._group_agrees(summed, flat):  # the first group's other workers sent zeros
             return False
         self._synced_buffers = flat
         return True
@@ -563,8 +635,8 @@ class QuorumStrategy:
         if self._discarded:
             p.lost_s += self._began - self._last_commit
             p.discarded += self._discarded
-        if self._world and attempt.world < self._world:
-            p.failures += self._world - attempt.world
+        if self._world and attempt.world < self._world:  # groups lost (each of K workers)
+            p.failures += (self._world - attempt.world) // self.comm.size
         self._world, self._discarded, self._last_commit = attempt.world, 0, now
 
     # ------------------------------------------------------------------ evaluation round
@@ -575,6 +647,21 @@ class QuorumStrategy:
         part = split_evenly(len(val), attempt.world, attempt.rank)  # type: ignore[arg-type]
         items = Indexed(val)
         size = -(-self.cfg.batch_size // attempt.world)
+        if self.cfg.parallel == "fsdp":
+            if self.replica.refused:
+                # An oversized quorum (``Replica._oversized``): the round cannot commit, and the
+                # ranks it gave are clipped, so the group's counts below would differ.
+                self._fills = 0
+                return
+            # Every FSDP2 forward gathers parameters over the group: each worker runs as many
+            # forwards as the group's longest part (the rest in ``reduce_eval``). The parts
+            # follow from the membership alone, so every worker counts the same without asking.
+            first = attempt.rank - self.comm.rank
+            counts = [
+                -(-len(split_evenly(len(val), attempt.world, first + r)) // size)  # type: ignore[arg-type]
+                for r in range(self.comm.size)
+            ]
+            self._fills = max(counts) - counts[self.comm.rank]
         for start in range(part.start, part.stop, size):
             yield default_collate([items[i] for i in range(start, min(start + size, part.stop))])
 
@@ -584,6 +671,13 @@ class QuorumStrategy:
         """The round's sums and the task's extra metric sums in one collective. Shards take
         uneven time (a node busier than another): wait for the slowest as long as the watchdog
         would let a rank evaluate, not the step collectives' few seconds."""
+        if self.cfg.parallel == "fsdp":
+            from elastic_train.distributed.fsdp import reshard_all
+
+            for _ in range(self._fills):  # join the group's other gathers (``val_batches``)
+                self.loop.forward_filler()
+            self._fills = 0
+            reshard_all(self.loop.module)
         stats = torch.cat([sums_stats(sums, (self.preemption.kind, False)), extra.detach().to("cpu", torch.float64)])
         summed = self._exchange(attempt, stats, timeout_s=self.eval_timeout_s)
         if summed is None:
@@ -634,28 +728,55 @@ class QuorumStrategy:
         periodic = not evaluated and not loop.evaluating and every > 0 and step % every == 0
         due = evaluated or periodic or (stats[SAVE] > 0 and not loop.evaluating)
         committed: bool | None = None
-        if attempt.rank == 0 and (stop or finished or due):
+        if self._saves(attempt) and (stop or finished or due):
             # The last and a stopping step's checkpoints are waited for: the process ends next.
             committed = self._save(stop or finished)
         self._collect_save()
         kind = agreed_stop(float(stats[STOP])) if stop else StopKind.NONE
-        # Only participant 0 saves: a final save failed there is the run's failure.
+        # Only participant 0's group saves: a final save failed there is the run's failure.
         return Decision(stop=kind, stop_committed=bool(committed), committed=committed is not False)
 
+    def _saves(self, attempt: Attempt) -> bool:
+        """This worker's group is participant 0's: its workers save the step together (each its
+        shards; the group's rank 0 holds the lock and commits)."""
+        return attempt.rank // self.comm.size == 0
+
     def _save(self, sync: bool) -> bool | None:
-        step = self.loop.state.step
+        step, ck = self.loop.state.step, self.checkpointer
+        error = ""
         try:
-            self.checkpointer.take_lock()  # judges an older pending save before taking the lock back
+            if ck.pending:  # collective inside the group: judged before the lock is taken back
+                ck.commit_pending()
+            if self.comm.is_first:
+                ck.lock.ensure_held()
         except (UsageError, OSError) as exc:
-            log.error("checkpoint_failed", step=step, error=str(exc), detail="could not take the directory lock")
+            error = str(exc)
+        if not self.comm.all(not error):
+            log.error(
+                "checkpoint_failed", step=step, error=error or "a worker of the group", detail="could not take the lock"
+            )
             return False
         self._last_save = time.monotonic()
-        return self.checkpointer.save(self.loop.snapshot(self.loop.state.finished), sync=sync)
+        return ck.save(self._snapshot(), sync=sync)
+
+    def _snapshot(self) -> Snapshot:
+        """The loop's checkpoint state. The partial epoch's sums are the quorum's global sums on
+        every worker: in a group, only its rank 0 writes them (the others zeros), so that a load
+        sums them once (``restore``), at any world size and in either mode."""
+        snap = self.loop.snapshot(self.loop.state.finished)
+        if self.comm.rank == 0:
+            return snap
+        per_rank = dict(snap.per_rank)
+        for key in (TRAIN_SUMS, TRAIN_DIGEST):
+            per_rank[key] = torch.zeros_like(per_rank[key])
+        return dataclasses.replace(snap, per_rank=per_rank)
 
     def _collect_save(self) -> None:
-        """Commit this replica's background save once its shard is written."""
-        if self.checkpointer.pending and self.checkpointer.local_done():
-            self.checkpointer.commit_pending()
+        """Commit this group's background save once every worker's shard is written (the
+        commit is collective inside the group: every worker decides the same)."""
+        ck = self.checkpointer
+        if ck.pending and self.comm.all(ck.local_done()):
+            ck.commit_pending()
 
     def accounting(self) -> Accounting:
         return self.progress.accounting()
@@ -667,9 +788,12 @@ class QuorumStrategy:
         loop = self.loop
         params = sum(p.numel() for p in loop.module.parameters())
         if attempt.step == 0 and attempt.heal is None:
+            k = self.comm.size
+            inside = "" if k == 1 else f" of {k} workers ({'FSDP2' if self.cfg.parallel == 'fsdp' else 'DDP'} inside)"
             loop.console.line(f"Training started with {self.processes} processes")
             loop.console.line(
-                f"Fault tolerance: quorum ({attempt.world} of {self.processes} replica groups in the first quorum), "
+                f"Fault tolerance: quorum ({attempt.world // k} of {self.groups} replica groups{inside} in the first "
+                "quorum), "
                 f"device: {loop.device.type}, model: {loop.task.name} ({params / 1e6:.2f}M params), "
                 f"dataset: {loop.data.describe()}, global batch: {self.cfg.batch_size}, "
                 f"precision: {loop.precision.name}"
@@ -692,8 +816,10 @@ class QuorumStrategy:
         block = choice.block() if choice is not None else empty_block()
         # Waits for participant 0's choice (it reads and verifies the checkpoint): the bound of
         # the watchdog's limit, as an evaluation round's.
-        if not replica.sum(block, timeout_s=self.eval_timeout_s):
+        summed = replica.sum(block, timeout_s=self.eval_timeout_s)
+        if not summed:
             self._broken_group = replica.quorum_id
+        if not self._group_agrees(summed, block):  # participant 0's choice reaches its group's other workers
             replica.discard(step=0, reason="the start of the line was not agreed")
             return True
         try:
@@ -763,10 +889,18 @@ class QuorumStrategy:
             raise Rejoin(f"could not load checkpoint {folder}, which {whose}: {exc}") from exc
 
     def restore(self, loaded: Loaded) -> None:
-        """Continue from a checkpoint of any mode and world size: the partial epoch's sums of
-        every rank that wrote it are folded into this replica's (a world of one; the per-rank
-        random streams are its own, not reseeded)."""
-        done = self.loop.restore(loaded, rank=0, world_size=1, reseed=False)
+        """Continue from a checkpoint of any mode and world size: this worker loads its part as
+        rank ``comm.rank`` of its group, and the partial epoch's sums of every rank that wrote
+        it are folded into its own (every worker holds the global sums; the per-rank random
+        streams are its own, not reseeded)."""
+        loop = self.loop
+        done = loop.restore(loaded, rank=self.comm.rank, world_size=self.comm.size, reseed=False)
+        # Every worker holds the quorum's global sums: those of every rank that wrote it.
+        sums = MetricSums(loop.device)
+        for part in done.old_ranks:
+            sums.sums += part[TRAIN_SUMS].to(loop.device, torch.float64)
+            sums.add_digest(part[TRAIN_DIGEST])
+        loop.sums = sums
         p = self.progress
         p.timeline = self.checkpointer.timeline
         saved = Accounting.from_json(done.payload.accounting) if done.payload.accounting else None
@@ -776,10 +910,11 @@ class QuorumStrategy:
             p.discarded = saved.recomputed_steps
 
     def weights_sha256(self) -> str:
-        """sha256 of the model's tensors (names, dtypes, shapes, bytes): equal on every replica
-        that ended on the same line of training."""
+        """sha256 of the model's tensors (names, dtypes, shapes, bytes; under FSDP2 this worker's
+        shards): equal on the workers of one group rank in every replica group that ended on
+        the same line of training."""
         digest = hashlib.sha256()
-        for name, value in sorted(self.loop.module.state_dict().items()):
+        for name, value in sorted(local_state(self.loop.module.state_dict()).items()):
             flat = value.detach().to("cpu").contiguous().reshape(-1)
             digest.update(f"{name}|{flat.dtype}|{tuple(value.shape)}\n".encode())
             digest.update(flat.view(torch.uint8).numpy().tobytes())

@@ -150,6 +150,18 @@ et_setup_ft() {
   esac
 }
 
+# ET_FT=quorum: the node's NPROC workers as replica groups of ET_PROCS_PER_REPLICA workers each
+# (default 1: every worker a replica of its own; e.g. the node's GPU count: the node is one
+# replica, DDP or FSDP2 inside it by the trainer's --parallel). Sets ET_QUORUM_SHAPE, the quorum
+# agent's flags; a count that does not divide NPROC is refused before anything starts.
+et_quorum_shape() {
+  local nproc=$1 k=${ET_PROCS_PER_REPLICA:-1}
+  [[ $k =~ ^[1-9][0-9]*$ ]] || et_die "ET_PROCS_PER_REPLICA=$k is not a positive whole number"
+  (( nproc % k == 0 )) ||
+    et_die "ET_PROCS_PER_REPLICA=$k does not divide the node's $nproc processes (ET_NPROC or its GPUs): pick a divisor of $nproc"
+  ET_QUORUM_SHAPE=(--nproc-per-node "$((nproc / k))" --procs-per-replica "$k")
+}
+
 et_gpus_on_node() {
   local n=${SLURM_GPUS_ON_NODE:-0}
   case $n in ''|*[!0-9]*) n=0 ;; esac

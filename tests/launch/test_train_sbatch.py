@@ -1,5 +1,6 @@
-"""jobs/train.sbatch outside Slurm, running real torchrun: a two-process CPU run, and the GPU
-monitor it starts is stopped by pid even when training fails."""
+"""jobs/train.sbatch outside Slurm, running real torchrun: a two-process CPU run, the same in
+quorum mode as one replica group of two workers, and the GPU monitor it starts is stopped by pid
+even when training fails."""
 
 from __future__ import annotations
 
@@ -39,6 +40,29 @@ def test_train_sbatch_runs_torchrun_with_two_cpu_processes_outside_slurm(tmp_pat
     assert "Training started with 2 processes" in done.stdout
     assert "Total processes used: 2" in done.stdout and "Training completed successfully." in done.stdout
     assert (tmp_path / "logs" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_train_sbatch_in_quorum_mode_runs_replica_groups_of_the_size_asked_for(tmp_path: Path) -> None:
+    env = {
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "ET_VENV": str(VENV),
+        "ET_LOG_DIR": str(tmp_path / "logs"),
+        "ET_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "ET_FT": "quorum",
+        "ET_NPROC": "2",
+    }
+    odd = run(
+        ["bash", str(ROOT / "jobs" / "train.sbatch"), *QUICK], timeout=60, env={**env, "ET_PROCS_PER_REPLICA": "3"}
+    )
+    assert odd.returncode == 2 and "ET_PROCS_PER_REPLICA=3 does not divide the node's 2 processes" in odd.output
+    assert not (tmp_path / "ckpt").exists(), "refused before anything started"
+    done = run(
+        ["bash", str(ROOT / "jobs" / "train.sbatch"), *QUICK], timeout=180, env={**env, "ET_PROCS_PER_REPLICA": "2"}
+    )
+    assert done.returncode == 0, done.output
+    assert "1 of 1 replica groups of 2 workers (DDP inside)" in done.stdout, done.output
+    assert "Total processes used: 2" in done.stdout and "Training completed successfully." in done.stdout
 
 
 @pytest.mark.timeout(120)

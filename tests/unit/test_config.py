@@ -46,7 +46,6 @@ def test_the_seeds_flags_parse_with_the_seeds_meaning() -> None:
         (["--num-workers", "-2"], "--num-workers -2"),
         (["--model", "gpt"], "invalid choice"),
         (["--parallel", "tp"], "invalid choice"),
-        (["--parallel", "fsdp", "--ft", "quorum"], "--parallel fsdp runs in --ft restart only"),
         (["--parallel", "fsdp", "--amp", "--amp-dtype", "fp16"], "--amp-dtype fp16 with --parallel fsdp"),
         (["--dataset", "cifar"], "invalid choice"),
         (["--optimizer", "lion"], "invalid choice"),

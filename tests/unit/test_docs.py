@@ -97,6 +97,16 @@ COVERED_BY.update(
         + "test_a_killed_worker_takes_its_group_out_the_other_group_commits_and_the_group_heals_worker_by_worker",
     }
 )
+COVERED_BY.update(
+    {
+        # The built-in trainer in replica groups of two FSDP2 workers: the test runs the same
+        # launch (its run's size flags and folders instead), kills a worker and checks the heal.
+        r"python -m elastic_train\.quorum\.launch --nproc-per-node 2 --procs-per-replica 2 -m elastic_train "
+        r"--parallel fsdp --run-dir runs/hsdp --epochs 2 --max-steps-per-epoch 10": "tests/launch/"
+        "test_quorum_trainer_groups.py::test_a_killed_worker_takes_its_group_out_the_other_group_commits_on_and_"
+        "the_group_heals_worker_by_worker",
+    }
+)
 CLUSTER_EXAMPLE = [r"--gpus", r"--nproc_per_node=4", r"apptainer", r"ET_CONTAINER="]
 
 

@@ -292,7 +292,7 @@ def test_the_state_server_listens_on_the_job_interface_not_every_interface(job_e
 def test_a_one_node_launch_gives_its_workers_loopback_a_job_id_and_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("ELASTIC_TRAIN_QUORUM_HOST", SECRET_VAR, "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
-    args = argparse.Namespace(nproc_per_node=2, nnodes=1, node_rank=0, max_restarts=1, run_id=None)
+    args = argparse.Namespace(nproc_per_node=2, procs_per_replica=1, nnodes=1, node_rank=0, max_restarts=1, run_id=None)
     first, second = Agent(args, [], "http://127.0.0.1:1"), Agent(args, [], "http://127.0.0.1:1")
     env = first.environ(first.slots[1])
     assert env["ELASTIC_TRAIN_QUORUM_HOST"] == "127.0.0.1"
@@ -365,7 +365,7 @@ def test_a_lighthouse_whose_port_was_taken_after_it_died_is_not_restarted_in_a_l
     server = Lighthouse(port=foreign_listener)
     server.proc = subprocess.Popen(["true"])  # the job's Lighthouse, dead
     server.proc.wait()
-    args = argparse.Namespace(nproc_per_node=1, nnodes=1, node_rank=0, max_restarts=1, run_id="r")
+    args = argparse.Namespace(nproc_per_node=1, procs_per_replica=1, nnodes=1, node_rank=0, max_restarts=1, run_id="r")
     agent = Agent(args, [], server.address, server)
     agent.supervise_lighthouse()
     agent.supervise_lighthouse()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -234,6 +235,90 @@ def test_the_agent_reads_torchrun_style_flags_and_refuses_what_it_cannot_launch(
         parse(["--nnodes", "2", "--node-rank", "1", "-m", "elastic_train"])  # no Lighthouse for node 1
     with pytest.raises(SystemExit):
         parse(["--nnodes", "2", "--node-rank", "2", "--lighthouse", "http://h:1", "-m", "elastic_train"])
+
+
+def test_procs_per_replica_gives_each_group_its_own_world_and_store_and_counts_workers_per_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    args, _ = parse(["--nproc-per-node", "2", "--procs-per-replica", "3", "-m", "elastic_train"])
+    agent = Agent(args, [], "http://127.0.0.1:1")
+    slot = agent.slots[1]
+    slot.address, slot.store = "127.0.0.1", SimpleNamespace(port=4242)  # as ``start`` sets them
+    env = [agent.environ(slot, rank) for rank in range(3)]
+    assert [e["RANK"] for e in env] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in env} == {"3"}
+    assert [e["LOCAL_RANK"] for e in env] == ["3", "4", "5"]  # group 1's GPUs follow group 0's
+    assert {e["LOCAL_WORLD_SIZE"] for e in env} == {"6"} and {e["REPLICA_GROUP_ID"] for e in env} == {"1"}
+    # The group's workers are clients of the agent's store (torchrun's convention).
+    assert (env[0]["MASTER_ADDR"], env[0]["MASTER_PORT"], env[0]["TORCHELASTIC_USE_AGENT_STORE"]) == (
+        "127.0.0.1",
+        "4242",
+        "True",
+    )
+    assert env[0]["ELASTIC_TRAIN_QUORUM_GROUPS"] == "2"  # groups, not workers
+    single = Agent(parse(["-m", "elastic_train"])[0], [], "http://127.0.0.1:1")
+    assert "MASTER_ADDR" not in single.environ(single.slots[0])  # a group of one hosts its own
+    with pytest.raises(SystemExit):
+        parse(["--procs-per-replica", "0", "-m", "elastic_train"])
+
+
+class _FakeProc:
+    def __init__(self, code: int | None) -> None:
+        self.exitcode, self.pid, self.joined = code, None, False
+
+    def join(self) -> None:
+        self.joined = True
+
+
+def test_a_group_ends_with_its_first_failure_and_its_running_workers_are_killed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slot = Slot(0, procs=[_FakeProc(-9), _FakeProc(None)])  # type: ignore[list-item]
+    killed: list[int] = []
+    monkeypatch.setattr(Slot, "signal", lambda self, signum: killed.append(signum))
+    assert slot.ended() is None and killed == [9]  # SIGKILL: a SIGTERM would be a preemption
+    slot.procs[1].exitcode = 1  # type: ignore[misc]  # the sibling's own failure, after the kill
+    assert slot.ended() == -9  # the first failure is the group's
+    both = Slot(0, procs=[_FakeProc(0), _FakeProc(75)])  # type: ignore[list-item]
+    assert both.ended() == 75  # ended on their own: the first nonzero code
+    assert Slot(0, procs=[_FakeProc(0), _FakeProc(0)]).ended() == 0  # type: ignore[list-item]
+    waiting = Slot(0, procs=[_FakeProc(0), _FakeProc(None)])  # type: ignore[list-item]
+    assert waiting.ended() is None and killed == [9]  # a worker that finished kills nobody
+    # Bad input in one worker ends the group as bad input, whatever its sibling's crash says.
+    usage = Slot(0, procs=[_FakeProc(1), _FakeProc(int(ExitCode.USAGE))])  # type: ignore[list-item]
+    assert usage.ended() == ExitCode.USAGE
+    early = Slot(0, procs=[_FakeProc(int(ExitCode.USAGE)), _FakeProc(None)])  # type: ignore[list-item]
+    assert early.ended() is None and killed == [9, 9]  # the sibling is not left blocked
+
+
+def test_group_sums_are_exact_and_a_single_failure_fails_the_whole_group() -> None:
+    from elastic_train.quorum.group_comm import GroupComm
+
+    one = GroupComm()
+    t = torch.tensor([1.5, 2.0], dtype=torch.float64)
+    assert one.sum(t, True) and one.sum(t, False) is False and t.tolist() == [1.5, 2.0]
+    code = """
+import sys, torch, torch.distributed as dist
+from elastic_train.quorum.group_comm import GroupComm
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=2)
+comm = GroupComm.of_default_group()
+t = torch.tensor([float(rank) + 0.25, 3.0], dtype=torch.float64)
+ok = comm.sum(t, True)
+failed = comm.sum(torch.zeros(1, dtype=torch.float64), rank == 0)
+print(comm.size, comm.rank, ok, t.tolist(), failed, comm.all(True), comm.all(rank == 1), flush=True)
+dist.destroy_process_group()
+"""
+    rendezvous = Path(tempfile.mkdtemp()) / "rdzv"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(r), str(rendezvous)], stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    for rank, out in enumerate(outs):
+        assert out[:3] == ["2", str(rank), "True"] and out[3:5] == ["[1.5,", "6.0]"], out
+        assert out[5:] == ["False", "True", "False"], out
 
 
 def _agent(codes: list[list[int]]) -> Agent:
