@@ -31,6 +31,7 @@ from tests.launch.test_quorum_trainer import (
     EXITED,
     TOTAL,
     Job,
+    Node,
     _time,
     assert_exactly_once,
     max_abs_diff,
@@ -76,24 +77,30 @@ def worker_pid(node_out: Path, group: int, rank: int) -> int:
     return [int(pid) for g, pid, _, r in found if int(g) == group and int(r) == rank][-1]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_a_killed_worker_takes_its_group_out_the_other_group_commits_on_and_the_group_heals_worker_by_worker(
-    job: Job, fault_free: Path, parallel: str
-) -> None:
+def fault_in_group_1(job: Job, signum: int, parallel: str = "ddp") -> tuple[Node, float, str]:
+    """Two groups of K workers training; ``signum`` to group 1's worker 1; both of group 1's
+    workers healed again and the job finished. Returns the agent, the fault's time, its output."""
     node = job.start(
         "--nproc-per-node", "2", "--procs-per-replica", str(K), "--max-restarts", "3", flags=["--parallel", parallel]
     )  # fmt: skip
     job.until("both groups training", lambda: committed(job, 0) >= 12 and committed(job, 1) >= 12, timeout=120)
-    killed_at = time.time()
-    os.kill(worker_pid(node.out, 1, 1), signal.SIGKILL)
+    at = time.time()
+    os.kill(worker_pid(node.out, 1, 1), signum)
     for rank in range(K):
         job.until(
             f"group 1's worker {rank} healed",
-            lambda r=rank: bool(worker_events(job, 1, r, "healed", killed_at)),  # type: ignore[misc]
+            lambda r=rank: bool(worker_events(job, 1, r, "healed", at)),  # type: ignore[misc]
             timeout=120,
         )
     assert job.wait(node, timeout=180) == 0, job.output()
-    out = node.out.read_text()
+    return node, at, node.out.read_text()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_killed_worker_takes_its_group_out_the_other_group_commits_on_and_the_group_heals_worker_by_worker(
+    job: Job, fault_free: Path, parallel: str
+) -> None:
+    _node, killed_at, out = fault_in_group_1(job, signal.SIGKILL, parallel)
     inside = "FSDP2" if parallel == "fsdp" else "DDP"
     assert f"replica groups of 2 workers ({inside} inside)" in out, out[:3000]
     # Only group 1 restarted, once, for the kill (the group's first failure is its code).
@@ -127,18 +134,7 @@ def test_a_frozen_worker_is_killed_by_its_group_which_restarts_and_heals_while_t
 ) -> None:
     """SIGSTOP one worker of group 1 (its sockets stay open; nothing answers). Its sibling's
     ``GroupWatch`` sees it silent, SIGKILLs it and leaves; the agent restarts the group."""
-    node = job.start("--nproc-per-node", "2", "--procs-per-replica", str(K), "--max-restarts", "3")
-    job.until("both groups training", lambda: committed(job, 0) >= 12 and committed(job, 1) >= 12, timeout=120)
-    frozen_at = time.time()
-    os.kill(worker_pid(node.out, 1, 1), signal.SIGSTOP)
-    for rank in range(K):
-        job.until(
-            f"group 1's worker {rank} healed",
-            lambda r=rank: bool(worker_events(job, 1, r, "healed", frozen_at)),  # type: ignore[misc]
-            timeout=120,
-        )
-    assert job.wait(node, timeout=180) == 0, job.output()
-    out = node.out.read_text()
+    _node, frozen_at, out = fault_in_group_1(job, signal.SIGSTOP)
     assert [group for group, _ in EXITED.findall(out)] == ["1"], out[-3000:]  # that group, once
     assert "has been silent" in out, out[-3000:]  # the group watch said why
     for rank in range(K):

@@ -16,6 +16,17 @@ from tests.helpers import QUICK, ROOT, pid_alive, run
 VENV = Path(sys.prefix)
 
 
+def sbatch_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The script's environment outside Slurm: this checkout, this venv, folders under ``tmp_path``."""
+    return {
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "ET_VENV": str(VENV),
+        "ET_LOG_DIR": str(tmp_path / "logs"),
+        "ET_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        **extra,
+    }
+
+
 def fake_nvidia_smi(bin_dir: Path, pid_file: Path) -> None:
     bin_dir.mkdir(parents=True, exist_ok=True)
     script = bin_dir / "nvidia-smi"
@@ -29,13 +40,7 @@ def fake_nvidia_smi(bin_dir: Path, pid_file: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_train_sbatch_runs_torchrun_with_two_cpu_processes_outside_slurm(tmp_path: Path) -> None:
-    env = {
-        "SLURM_SUBMIT_DIR": str(ROOT),
-        "ET_VENV": str(VENV),
-        "ET_LOG_DIR": str(tmp_path / "logs"),
-        "ET_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-    }
-    done = run(["bash", str(ROOT / "jobs" / "train.sbatch"), *QUICK], timeout=180, env=env)
+    done = run(["bash", str(ROOT / "jobs" / "train.sbatch"), *QUICK], timeout=180, env=sbatch_env(tmp_path))
     assert done.returncode == 0, done.output
     assert "Training started with 2 processes" in done.stdout
     assert "Total processes used: 2" in done.stdout and "Training completed successfully." in done.stdout
@@ -44,14 +49,7 @@ def test_train_sbatch_runs_torchrun_with_two_cpu_processes_outside_slurm(tmp_pat
 
 @pytest.mark.timeout(240)
 def test_train_sbatch_in_quorum_mode_runs_replica_groups_of_the_size_asked_for(tmp_path: Path) -> None:
-    env = {
-        "SLURM_SUBMIT_DIR": str(ROOT),
-        "ET_VENV": str(VENV),
-        "ET_LOG_DIR": str(tmp_path / "logs"),
-        "ET_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-        "ET_FT": "quorum",
-        "ET_NPROC": "2",
-    }
+    env = sbatch_env(tmp_path, ET_FT="quorum", ET_NPROC="2")
     odd = run(
         ["bash", str(ROOT / "jobs" / "train.sbatch"), *QUICK], timeout=60, env={**env, "ET_PROCS_PER_REPLICA": "3"}
     )
@@ -70,10 +68,7 @@ def test_gpu_monitor_is_stopped_by_pid_even_when_training_fails(tmp_path: Path) 
     pid_file = tmp_path / "monitor.pid"
     fake_nvidia_smi(tmp_path / "bin", pid_file)
     env = {
-        "SLURM_SUBMIT_DIR": str(ROOT),
-        "ET_VENV": str(VENV),
-        "ET_LOG_DIR": str(tmp_path / "logs"),
-        "ET_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        **sbatch_env(tmp_path),
         "SLURM_GPUS_ON_NODE": "1",
         "SLURM_JOB_ID": "77",
         "ET_MAX_REQUEUES": "0",  # not a real job: never ask Slurm to requeue it
