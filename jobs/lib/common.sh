@@ -159,6 +159,7 @@ et_quorum_shape() {
   [[ $k =~ ^[1-9][0-9]*$ ]] || et_die "ET_PROCS_PER_REPLICA=$k is not a positive whole number"
   (( nproc % k == 0 )) ||
     et_die "ET_PROCS_PER_REPLICA=$k does not divide the node's $nproc processes (ET_NPROC or its GPUs): pick a divisor of $nproc"
+  # shellcheck disable=SC2034  # read by the scripts that source this file
   ET_QUORUM_SHAPE=(--nproc-per-node "$((nproc / k))" --procs-per-replica "$k")
 }
 
