@@ -84,6 +84,9 @@ class TrainConfig:
     device: str = "auto"
     log_dir: Path = field(default_factory=lambda: Path("logs"))
     max_steps_per_epoch: int | None = None
+    # Validate on the first N validation samples only (quick runs; None: all). Not fingerprinted:
+    # it changes what the epoch's metrics measure, never the training state.
+    max_val_samples: int | None = None
     image_size: int | None = None  # None: the dataset's native size
     collective_timeout: float = 600.0
     # Seconds without a finished step or evaluation batch before a rank exits; 0: off. 60 s keeps a
@@ -167,6 +170,10 @@ class TrainConfig:
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
             raise UsageError(
                 f"--max-steps-per-epoch {self.max_steps_per_epoch} must be >= 1", "omit it for full epochs"
+            )
+        if self.max_val_samples is not None and self.max_val_samples < 1:
+            raise UsageError(
+                f"--max-val-samples {self.max_val_samples} must be >= 1", "omit it to validate on every sample"
             )
         if self.image_size is not None and not 8 <= self.image_size <= 1024:
             raise UsageError(f"--image-size {self.image_size} is outside [8, 1024]", "omit it for the dataset's size")

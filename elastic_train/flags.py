@@ -115,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--device", choices=DEVICES, default=d.device)
     ours.add_argument("--log-dir", type=Path, default=d.log_dir)
     ours.add_argument("--max-steps-per-epoch", type=int, default=None, help="cap steps per epoch (quick runs)")
+    ours.add_argument(
+        "--max-val-samples",
+        type=int,
+        default=None,
+        help="validate on the first N validation samples only (quick runs)",
+    )
     ours.add_argument("--image-size", type=int, default=None, help="resize images to this square size")
     ours.add_argument(
         "--collective-timeout",

@@ -61,8 +61,10 @@ _NOT_CLASSIFIERS = {
 
 
 def vit(num_classes: int, image_size: int) -> nn.Module:
-    """A small ViT: 8x8 patches grid (patch = image_size // 8), 4 layers, width 128 (~0.55 M params)."""
-    from torchvision.models import VisionTransformer
+    """A small ViT: 8x8 patches grid (patch = image_size // 8), 4 layers, width 128 (~0.55 M params).
+    torchvision's architecture and initial weights, built without importing torchvision
+    (``elastic_train.vit`` says why)."""
+    from elastic_train.vit import VisionTransformer
 
     patch = max(1, image_size // 8)
     if image_size % patch:

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from elastic_train.checkpoint.format import check_json
 from elastic_train.config import TrainConfig
@@ -117,6 +117,10 @@ def open_task_data(task: Task, cfg: TrainConfig, env: DistEnv) -> TaskData:
     identity = next(r[2] for r in reports if r is not None and r[2] is not None)
     adopted = dict(identity)
     data = replace(data, identity=lambda: adopted)
+    if cfg.max_val_samples is not None and cfg.max_val_samples < len(data.val):  # type: ignore[arg-type]
+        # After the identity (the dataset's, not the cap's) and before any loader: every
+        # strategy shards and counts this smaller set exactly as it would the whole one.
+        data = replace(data, val=Subset(data.val, range(cfg.max_val_samples)))
     log.info("dataset_ready", task=task.name, train=len(data.train), val=len(data.val))  # type: ignore[arg-type]
     return data
 

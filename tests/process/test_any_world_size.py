@@ -28,6 +28,8 @@ RUN = [
     *flags(batch_size=64, max_steps_per_epoch=3, epochs=2, target_accuracy=1.0, patience=0),
     *flags(optimizer="sgd", weight_decay=0, checkpoint_every=1, keep_last=10),
     "--no-async-checkpoint",
+    # 100 of the 1024 validation samples: 34, 33, 33 over 3 processes, each counted once.
+    *flags(max_val_samples=100),
 ]
 SEED = 42  # the trainer's default --seed: initial weights
 
@@ -87,6 +89,7 @@ def test_three_processes_train_the_same_samples_per_epoch_as_one(one: Path, thre
             b["val_samples"],
         )
         assert a["samples_seen"] == 3 * 64 and b["world_size"] == 3
+        assert a["val_samples"] == 100
         # Metric sums count true per-sample losses, whatever the loss weighting did.
         for key in ("train_loss", "val_loss"):
             assert math.isclose(a[key], b[key], rel_tol=1e-4), (key, a[key], b[key])

@@ -51,6 +51,7 @@ def test_the_seeds_flags_parse_with_the_seeds_meaning() -> None:
         (["--optimizer", "lion"], "invalid choice"),
         (["--dataset", "tiny-imagenet"], "needs --data-dir"),
         (["--max-steps-per-epoch", "0"], "must be >= 1"),
+        (["--max-val-samples", "0"], "--max-val-samples 0 must be >= 1"),
         (["--epochs", "two"], "invalid int value"),
         (["--keep-best", "-1"], "--keep-best -1 must be >= 0"),
         (["--best-metric", "f1"], "invalid choice: 'f1'"),
