@@ -1,9 +1,11 @@
 """The built-in ``--model vit``: torchvision's ``VisionTransformer`` architecture, without torchvision.
 
 Why not import it: ``import torchvision`` loads ``torch._dynamo`` (through ``torchvision.ops``),
-which costs ~2.4 s of CPU in every worker process on a 2-core machine, about as much as
-``import torch`` itself. Every worker pays it at each start, so each restart after a failure
-did too. This module builds the same network from ``torch.nn`` alone.
+~2.4 s of CPU on a 2-core machine, about as much as ``import torch`` itself. DDP's constructor
+and FSDP2's hooks load ``torch._dynamo`` anyway, but a worker that trains the bare module (a
+quorum replica of one process) does not need it, and pays it at every start: a replica that
+rejoins after a failure is that much later. This module builds the same network from
+``torch.nn`` alone.
 
 "The same" is exact, and tested against torchvision (tests/unit/test_vit.py):
 

@@ -44,6 +44,7 @@ __all__ = [
     "ROOT",
     "SEED_EPOCH_LINE",
     "TOKEN_VAR",
+    "VAL",
     "Finished",
     "assert_bitwise_equal",
     "base_env",
@@ -71,8 +72,12 @@ __all__ = [
 ]
 
 BIN = Path(sys.executable).parent
+# Validation on 64 of the synthetic set's 1024 samples: a full pass costs a 2-epoch quick run
+# more CPU than its training steps, and the tests judge the runtime, not the model. The full set
+# is evaluated where the test is about evaluation (the seed's pinned results, tests/process/test_cli.py).
+VAL = ["--max-val-samples", "64"]
 # Small, fast settings shared by the process-level tests.
-QUICK = ["--batch-size", "32", "--max-steps-per-epoch", "3", "--epochs", "2", "--target-accuracy", "1.0"]
+QUICK = ["--batch-size", "32", "--max-steps-per-epoch", "3", "--epochs", "2", "--target-accuracy", "1.0", *VAL]
 # The short run, checkpointed every 2 steps, that the kill-and-resume tests (one process, torchrun,
 # the launcher, the report) compare with an uninterrupted run of the same flags.
 RESUME_RUN = [
@@ -88,6 +93,7 @@ RESUME_RUN = [
     "0",
     "--checkpoint-every",
     "2",
+    *VAL,
 ]
 # The seed's per-epoch console line, which the trainer must keep printing unchanged.
 SEED_EPOCH_LINE = re.compile(

@@ -24,6 +24,7 @@ HANG_TIMEOUT = 15  # small, to keep the tests short; the default is chosen in do
 RUN = flags(
     batch_size=32,
     max_steps_per_epoch=24,
+    max_val_samples=64,
     epochs=2,
     target_accuracy=1.0,
     patience=0,

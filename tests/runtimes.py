@@ -36,7 +36,7 @@ from tests.helpers import ROOT, Finished, flags, run
 
 # What the runtimes lack (pyproject.toml's dependencies besides torch, torchvision and numpy).
 LACKING = ["structlog", "tenacity", "safetensors", "tqdm", "xxhash"]  # xxhash last: see wheels_without_xxhash
-TINY = flags(epochs=1, max_steps_per_epoch=2, batch_size=16, target_accuracy=1.0)
+TINY = flags(epochs=1, max_steps_per_epoch=2, max_val_samples=64, batch_size=16, target_accuracy=1.0)
 # Runs the runtime setup of the job scripts alone, then a probe in the runtime it set up.
 PROBE = (
     "set -euo pipefail; ET_PROJECT_DIR=$PWD; source jobs/lib/common.sh; et_setup_runtime; "

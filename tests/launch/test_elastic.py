@@ -45,6 +45,8 @@ RUN = [
     "2",
     "--hang-timeout",
     "60",
+    "--max-val-samples",
+    "64",
 ]
 # Long enough that a node can be killed while training is under way.
 LONG = [*RUN, "--max-steps-per-epoch", "24"]

@@ -37,7 +37,14 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.timeout(300)
 RUN = flags(
-    batch_size=32, max_steps_per_epoch=5, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=2, image_size=16
+    batch_size=32,
+    max_steps_per_epoch=5,
+    max_val_samples=64,
+    epochs=2,
+    target_accuracy=1.0,
+    patience=0,
+    checkpoint_every=2,
+    image_size=16,
 )
 STANDALONE_2 = ["--standalone", "--nproc_per_node=2"]
 HOLD = {"ELASTIC_TRAIN_FAULTS": "hold:rank=0:step=3:until=go"}
@@ -131,7 +138,15 @@ def test_a_failed_final_save_in_quorum_mode_is_the_jobs_failure_not_a_success(tm
     """Participant 0 (whichever replica group it is) cannot write the final checkpoint: the other has
     finished the same training, but the job's end is not on disk, so the agent exits 81."""
     launch = [sys.executable, "-m", "elastic_train.quorum.launch", "--nproc-per-node", "2", "--max-restarts", "0"]
-    short = flags(batch_size=32, max_steps_per_epoch=4, epochs=1, target_accuracy=1.0, image_size=16, log_every=1)
+    short = flags(
+        batch_size=32,
+        max_steps_per_epoch=4,
+        max_val_samples=64,
+        epochs=1,
+        target_accuracy=1.0,
+        image_size=16,
+        log_every=1,
+    )
     done = run(
         [*launch, "-m", "elastic_train", *short, *dirs(tmp_path)],
         timeout=180,

@@ -21,6 +21,7 @@ from tests.helpers import Finished, events, flags, free_port, torchrun
 RUN = flags(
     batch_size=8,
     max_steps_per_epoch=8,
+    max_val_samples=64,
     epochs=1,
     target_accuracy=1.0,
     image_size=16,

@@ -61,7 +61,15 @@ def test_a_killed_worker_is_forked_again_warm_and_ends_bitwise_equal(tmp_path: P
 
 
 def test_sigterm_to_the_warm_launcher_checkpoints_and_is_booked_as_a_stop_not_a_preemption(tmp_path: Path) -> None:
-    short = flags(batch_size=32, max_steps_per_epoch=6, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=2)
+    short = flags(
+        batch_size=32,
+        max_steps_per_epoch=6,
+        max_val_samples=64,
+        epochs=2,
+        target_accuracy=1.0,
+        patience=0,
+        checkpoint_every=2,
+    )
     args = [*short, *dirs(tmp_path)]
     # Rank 0 holds at the start of step 5 (step 2's checkpoint committed) until the test releases
     # it after the signal: the stop lands mid-run whatever the machine's speed.

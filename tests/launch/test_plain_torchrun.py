@@ -20,7 +20,15 @@ from tests.helpers import Finished, flags, free_port, read_jsonl, torchrun
 # fault fires once per run; --max-restarts=6 allows exactly these). The bug was in the rendezvous
 # rounds after a restart, so one launch with six restarts meets it as often as two launches
 # with three each did, without another start-up and final epoch.
-TINY = flags(batch_size=8, max_steps_per_epoch=14, epochs=1, target_accuracy=1.0, image_size=16, checkpoint_every=2)
+TINY = flags(
+    batch_size=8,
+    max_steps_per_epoch=14,
+    max_val_samples=64,
+    epochs=1,
+    target_accuracy=1.0,
+    image_size=16,
+    checkpoint_every=2,
+)
 CRASHES = ",".join(f"raise:rank={step // 2 % 2}:step={step}" for step in range(3, 15, 2))  # odd steps 3..13
 # Measured before the fix: 5 of 8, 3 of 5 and 1 of 4 such recoveries succeeded (docs/fault-tolerance.md,
 # the torch facts), 9 of 17 in all. A regression passes 6 recoveries in a row by chance with
@@ -68,7 +76,10 @@ def test_two_plain_agents_recover_from_a_killed_worker_with_the_default_shared_s
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=plain-two",
     ]
-    args = [*flags(batch_size=8, max_steps_per_epoch=6, epochs=2, target_accuracy=1.0, image_size=16), *dirs(tmp_path)]
+    args = [
+        *flags(batch_size=8, max_steps_per_epoch=6, max_val_samples=64, epochs=2, target_accuracy=1.0, image_size=16),
+        *dirs(tmp_path),
+    ]
     env = {"ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=10"}  # after the epoch-end checkpoint commits
     results: dict[str, Finished] = {}
 

@@ -162,6 +162,7 @@ def test_batchnorm_statistics_count_each_committed_step_once_across_a_kill(tmp_p
     job = Job(tmp_path, {**base_env(), FAULTS: "kill:rank=1:step=6"})
     # 16-pixel images: the same layers and buffers at a quarter of the convolutions' cost.
     short = ["--model", "resnet18", "--image-size", "16", "--epochs", str(epochs), "--max-steps-per-epoch", str(steps)]
+    short += ["--max-val-samples", "64"]
     started = time.time()
     try:
         node = job.start("--nproc-per-node", "2", "--max-restarts", "2", flags=short)
@@ -193,7 +194,17 @@ def test_mixed_precision_in_quorum_mode_survives_a_kill_and_keeps_samples_exactl
             "--nproc-per-node",
             "2",
             # bf16 autocast on a CPU is slow (5 s a step on a loaded 2-core machine at 32 px): 16 px
-            flags=["--amp", "--epochs", str(epochs), "--max-steps-per-epoch", str(steps), "--image-size", "16"],
+            flags=[
+                "--amp",
+                "--epochs",
+                str(epochs),
+                "--max-steps-per-epoch",
+                str(steps),
+                "--image-size",
+                "16",
+                "--max-val-samples",
+                "64",
+            ],
         )
         assert job.wait(node, timeout=240) == 0, job.output()
     finally:

@@ -22,7 +22,18 @@ from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged, pid_alive
 
 AGENT = [str(BIN / "python"), "-m", "elastic_train.quorum.launch", "--nproc-per-node", "1", "--max-restarts", "0"]
-TRAIN = ["--epochs", "1", "--max-steps-per-epoch", "40", "--batch-size", "32", "--target-accuracy", "1.0"]
+TRAIN = [
+    "--epochs",
+    "1",
+    "--max-steps-per-epoch",
+    "40",
+    "--batch-size",
+    "32",
+    "--target-accuracy",
+    "1.0",
+    "--max-val-samples",
+    "64",
+]
 LIGHTHOUSE = re.compile(r"Lighthouse at \S+ \(pid (\d+)\)")
 
 

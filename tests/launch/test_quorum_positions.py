@@ -36,7 +36,7 @@ EPOCHS, STEPS, BATCH, SEED, TRAIN_SAMPLES = 2, 20, 32, 42, 4096
 FLAGS = [
     "--epochs", str(EPOCHS), "--max-steps-per-epoch", str(STEPS), "--batch-size", str(BATCH),
     "--target-accuracy", "1.0", "--seed", str(SEED), "--checkpoint-every", "5", "--keep-last", "50",
-    "--optimizer", "sgd", "--base-lr", "0.05",
+    "--optimizer", "sgd", "--base-lr", "0.05", "--max-val-samples", "64",
     # The held replica waits for the others to restart, resume and train a few steps: its
     # watchdog must not take that for a hang.
     "--hang-timeout", "180",

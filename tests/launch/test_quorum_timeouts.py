@@ -25,6 +25,7 @@ STEPS = 8
 FLAGS = [
     "--epochs", "1", "--max-steps-per-epoch", str(STEPS), "--batch-size", "32", "--target-accuracy", "1.0",
     "--seed", "42", "--optimizer", "sgd", "--base-lr", "0.05", "--peer-timeout", "2",
+    "--max-val-samples", "64",
 ]  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, events, flags, kill_gr
 
 pytestmark = pytest.mark.timeout(240)
 STANDALONE_2 = ["--standalone", "--nproc_per_node=2"]
-LONG = flags(batch_size=32, max_steps_per_epoch=500, epochs=20, target_accuracy=1.0, patience=0)
+LONG = flags(batch_size=32, max_steps_per_epoch=500, max_val_samples=64, epochs=20, target_accuracy=1.0, patience=0)
 
 
 def dirs(base: Path) -> list[str]:

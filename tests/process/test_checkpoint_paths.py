@@ -50,6 +50,8 @@ RUN = [
     "32",
     "--max-steps-per-epoch",
     str(STEPS),
+    "--max-val-samples",
+    "64",
     "--epochs",
     "3",
     "--target-accuracy",

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 RUN = flags(
     batch_size=32,
     max_steps_per_epoch=5,
+    max_val_samples=64,
     epochs=2,
     target_accuracy=1.0,
     patience=0,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.early_stop import EarlyStopper
-from tests.helpers import QUICK, cli, events, group_alive, ranks, read_jsonl, wait_all
+from tests.helpers import QUICK, VAL, cli, events, group_alive, ranks, read_jsonl, wait_all
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,6 +57,7 @@ def test_early_stop_on_target_makes_every_rank_leave_in_the_same_epoch(tmp_path:
         str(tmp_path),
         "--checkpoint-dir",
         str(tmp_path / "ckpt"),
+        *VAL,
     ]
     with ranks(2, args) as procs:
         results = wait_all(procs, timeout=150)
@@ -84,6 +85,7 @@ def test_early_stop_on_patience_makes_every_rank_leave_in_the_same_epoch(tmp_pat
         str(tmp_path),
         "--checkpoint-dir",
         str(tmp_path / "ckpt"),
+        *VAL,
     ]
     with ranks(2, args) as procs:
         results = wait_all(procs, timeout=150)

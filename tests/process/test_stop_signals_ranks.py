@@ -18,7 +18,15 @@ from elastic_train.outcome import PREEMPTED_MARKER, STOPPED_MARKER, ExitCode, Ma
 from tests.helpers import events, flags, kill_group, ranks, wait_all
 
 # Long enough never to finish during a test; the watchdog is off so only the grace can end a rank.
-LONG = flags(batch_size=32, max_steps_per_epoch=500, epochs=20, target_accuracy=1.0, patience=0, hang_timeout=0)
+LONG = flags(
+    batch_size=32,
+    max_steps_per_epoch=500,
+    max_val_samples=64,
+    epochs=20,
+    target_accuracy=1.0,
+    patience=0,
+    hang_timeout=0,
+)
 
 
 def dirs(base: Path) -> list[str]:

@@ -19,7 +19,7 @@ MODEL = "torchvision:mobilenet_v3_small"
 RUN = [
     "--dataset",
     "synthetic",
-    *flags(batch_size=16, max_steps_per_epoch=2, epochs=2, target_accuracy=1.0, patience=0),
+    *flags(batch_size=16, max_steps_per_epoch=2, max_val_samples=64, epochs=2, target_accuracy=1.0, patience=0),
     "--no-async-checkpoint",
 ]
 

@@ -37,7 +37,15 @@ pytestmark = pytest.mark.timeout(600)
 # What jobs/lib/common.sh prints when it requeues on the trainer's preemption marker.
 PREEMPTED_LINE = re.compile(r"preempted by SIGUSR1 at step \d+ \(checkpoint committed\); requeueing job")
 
-RUN = flags(batch_size=32, max_steps_per_epoch=60, epochs=2, target_accuracy=1.0, patience=0, checkpoint_every=5)
+RUN = flags(
+    batch_size=32,
+    max_steps_per_epoch=60,
+    max_val_samples=64,
+    epochs=2,
+    target_accuracy=1.0,
+    patience=0,
+    checkpoint_every=5,
+)
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -174,7 +182,9 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, tmp_pat
 
 def test_a_crash_is_requeued_at_most_the_cap_then_fails_with_its_cause(cluster: Cluster, tmp_path: Path) -> None:
     env = {**dirs(tmp_path), "ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=3:always", "ET_MAX_REQUEUES": "2"}
-    job = cluster.submit("jobs/train.sbatch", ["--max-steps-per-epoch", "5", "--epochs", "2"], env)
+    job = cluster.submit(
+        "jobs/train.sbatch", ["--max-steps-per-epoch", "5", "--epochs", "2", "--max-val-samples", "64"], env
+    )
     info = job.wait(240)
     text = job.text()
     assert info["JobState"] == "FAILED" and info["Restarts"] == "2", info
@@ -220,7 +230,9 @@ def test_a_node_joining_a_multinode_job_is_not_a_preemption_and_the_job_complete
 
     port = free_port()
     env = {**dirs(tmp_path), "ET_RDZV_PORT": str(port), "ET_NPROC": "1", "ET_NNODES": "1:2"}
-    long_run = flags(batch_size=32, max_steps_per_epoch=30, epochs=2, target_accuracy=1.0, patience=0)
+    long_run = flags(
+        batch_size=32, max_steps_per_epoch=30, max_val_samples=64, epochs=2, target_accuracy=1.0, patience=0
+    )
     job = cluster.submit("jobs/multinode.sbatch", [*long_run, "--checkpoint-every", "5"], env, "--nodes=1")
     wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
     # "A node joins": a second agent, outside the allocation, in the job's rendezvous.

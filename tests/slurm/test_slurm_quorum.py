@@ -31,7 +31,7 @@ TOTAL = EPOCHS * STEPS
 # SGD, as in test_quorum_trainer.py; a checkpoint every 5 steps, so the signal can follow the first.
 RUN = flags(
     epochs=EPOCHS, max_steps_per_epoch=STEPS, batch_size=BATCH, seed=SEED, target_accuracy=1.0, patience=0,
-    optimizer="sgd", base_lr=0.05, checkpoint_every=5,
+    optimizer="sgd", base_lr=0.05, checkpoint_every=5, max_val_samples=64,
 )  # fmt: skip
 WORKER = re.compile(r"replica group (\d+): worker pid (\d+) \(restart (\d+)\)")  # the quorum agent's line
 # What jobs/lib/common.sh prints when it requeues on the trainer's preemption marker (test_slurm.py's

@@ -15,8 +15,11 @@ Output samples and diagrams go in ```text blocks, which are not commands.
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -183,3 +186,26 @@ def test_the_readme_names_every_flag_of_the_trainer() -> None:
     readme = (ROOT / "README.md").read_text()
     flags = [o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
     assert [f for f in flags if f"`{f}" not in readme] == [], "add them to the README's flag table"
+
+
+def test_what_the_documented_commands_write_is_ignored_by_git() -> None:
+    """A newcomer runs the README's commands in a clone: `git status` must not fill up with runs.
+
+    Every `--run-dir DIR`, `-o FILE` and the default folders (logs/, checkpoints/) that a
+    documented command or `make demo` writes must be matched by .gitignore.
+    """
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = {"logs/x.log", "checkpoints/step-00000001/manifest.json", "runs/demo/logs/x.log", "data/x"}
+    for _, cmd in ALL:
+        words = shlex.split(cmd.replace("$USER", "someone"))
+        for flag, value in itertools.pairwise(words):
+            if flag in ("--run-dir", "-o", "--output"):
+                written.add(value.rstrip("/") + ("/logs/x.log" if flag == "--run-dir" else ""))
+    assert len(written) > 5
+    found = subprocess.run(
+        [git, "check-ignore", "--no-index", *sorted(written)], cwd=ROOT, capture_output=True, text=True
+    )
+    ignored = set(found.stdout.split())
+    assert sorted(written - ignored) == [], "add these paths to .gitignore: the docs' commands write them"
