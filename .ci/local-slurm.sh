@@ -10,7 +10,7 @@
 # leaves it alone and says so. `.ci/run` starts it before the tests and stops it after.
 #
 # The settings that make the tests fast and leak-free (the reasons are measured, not guessed):
-# - AuthInfo=cred_expire=10: a requeued job becomes eligible again cred_expire + 1 s after its
+# - AuthInfo=cred_expire=5 (Slurm's minimum): a requeued job becomes eligible again cred_expire + 1 s after its
 #   previous run finished; with Slurm's default (120 s) a requeue test waits ~160 s.
 # - ProctrackType cgroup (v1 freezer) where it is writable: every process of a job, torchrun's
 #   workers in their own sessions included, is gone before the requeued run starts. Else pgid,
@@ -112,7 +112,7 @@ SlurmctldHost=$node(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 CredType=cred/munge
 ProctrackType=proctrack/$track
 TaskPlugin=task/none

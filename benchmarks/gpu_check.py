@@ -112,8 +112,14 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Comple
 def _trainer(
     where: Where, base: Path, args: list[str], env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    folders = ["--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
+    folders = ["--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt"), *_val(where)]
     return _run([*_torchrun(where.processes), "-m", "elastic_train", "--device", where.device, *folders, *args], env)
+
+
+def _val(where: Where) -> list[str]:
+    """The CPU smoke run validates on 64 samples: a full pass of the 1024 cost it more than its
+    training steps, and it checks the script's paths, not the model. A GPU run evaluates all."""
+    return ["--max-val-samples", "64"] if where.quick else []
 
 
 def _tail(done: subprocess.CompletedProcess[str]) -> str:
@@ -288,7 +294,7 @@ def check_fsdp(where: Where) -> tuple[bool, str]:
     batch = "32" if where.quick else "64"  # as check_kill_resume's run it extends
     args += ["--batch-size", batch, "--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
     args += ["--image-size", "16"] if where.quick else []
-    one = _run([*_torchrun(1), "-m", "elastic_train", "--device", where.device, *args])
+    one = _run([*_torchrun(1), "-m", "elastic_train", "--device", where.device, *args, *_val(where)])
     if one.returncode or "Epoch 3/3" not in one.stdout:
         return False, f"the 1-process resume of the 2-process FSDP checkpoint failed: {_tail(one)}"
     return True, f"{detail}; resumed by 1 process (2 -> 1 pieces) to epoch 3"

@@ -5,9 +5,10 @@ closed: the survivor's collective can only time out), then comes back.
 * The trainer (``--ft quorum``, one worker per replica group): node a must go on alone within
   ``--peer-timeout`` plus a quorum, without a restart; node b must come back into the quorum by
   healing from node a once the network heals; every epoch's samples exactly once.
-* Replica groups of two workers (examples/char_lm.py, DDP inside a group, one torchrun agent per
-  node): the group on node a commits alone, never restarted; the group on node b, whose own
-  workers still reach each other, heals back in worker by worker; every step's global batch
+* Replica groups of two workers, DDP inside a group, one group per node: in the trainer
+  (``--procs-per-replica 2`` under the quorum agent) and in a custom loop (examples/char_lm.py
+  under torchrun). The group on node a commits alone, never restarted; the group on node b,
+  whose own workers still reach each other, heals back in worker by worker; every sample
   exactly once and equal final weights.
 
 Needs root and iproute2 (skips without, fails in CI: ELASTIC_TRAIN_REQUIRE_NETNS=1).
@@ -19,7 +20,7 @@ import os
 import secrets
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ from elastic_train.testing.netns import Host, bridged_hosts, netns_problem
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged
 from tests.launch import test_quorum_groups as groups_test
 from tests.launch.test_quorum_groups import SURVIVOR, VICTIM, Groups, K, commits
-from tests.launch.test_quorum_trainer import RUN, Job, assert_exactly_once, events
+from tests.launch.test_quorum_trainer import RUN, Job, _time, assert_exactly_once, events
+from tests.launch.test_quorum_trainer_groups import GROUP_WORKER, committed, worker_events
 
 pytestmark = pytest.mark.timeout(300)
 PORT = 29510
@@ -47,14 +49,21 @@ def hosts() -> Iterator[dict[str, Host]]:
         yield made
 
 
-def start(job: Job, host: Host, rank: int, lighthouse: list[str], epochs: int) -> subprocess.Popen[bytes]:
+def start(
+    job: Job,
+    host: Host,
+    rank: int,
+    lighthouse: list[str],
+    epochs: int,
+    per_node: Sequence[str] = ("--nproc-per-node", "1"),
+) -> subprocess.Popen[bytes]:
     epochs_at = RUN.index("--epochs") + 1
     run = [*RUN[:epochs_at], str(epochs), *RUN[epochs_at + 1 :]]
     command = host.command(
         [
             str(BIN / "python"), "-m", "elastic_train.quorum.launch", "--nnodes", "2", "--node-rank", str(rank),
             "--run-id", job.env["ELASTIC_TRAIN_TEST_TOKEN"],
-            "--nproc-per-node", "1", *lighthouse, "-m", "elastic_train", *run,
+            *per_node, *lighthouse, "-m", "elastic_train", *run,
             "--log-dir", str(job.base / "logs"), "--checkpoint-dir", str(job.base / "ckpt"),
         ]
     )  # fmt: skip
@@ -99,6 +108,57 @@ def test_a_partitioned_node_is_left_behind_and_heals_back_in_when_the_network_re
     assert not events(job, 1, "resumed", back), "node b healed from node a, not from a checkpoint"
     history = assert_exactly_once(tmp_path, epochs=6)
     assert len(history) == 6
+
+
+def test_a_partitioned_trainer_replica_group_is_left_behind_and_heals_back_in_worker_by_worker(
+    hosts: dict[str, Host], tmp_path: Path
+) -> None:
+    """The built-in trainer's replica groups: one group of K workers (DDP inside) per node."""
+    a, b = hosts["a"], hosts["b"]
+    job = Job(tmp_path, base_env({"ELASTIC_TRAIN_QUORUM_SECRET": secrets.token_hex(16)}))
+    per_node = ("--nproc-per-node", "1", "--procs-per-replica", str(K))
+    node_a = start(job, a, 0, ["--lighthouse-port", str(PORT)], epochs=6, per_node=per_node)
+    node_b = start(job, b, 1, ["--lighthouse", f"http://{a.addr}:{PORT}"], epochs=6, per_node=per_node)
+    ranks = range(K)
+    try:
+        job.until("both groups training", lambda: committed(job, 0) >= 15 and committed(job, 1) >= 15, timeout=150)
+        cut = b.set_link(False)
+
+        def alone(rank: int) -> list[dict[str, object]]:
+            return [e for e in worker_events(job, 0, rank, "quorum_changed", cut) if e["world"] == K]
+
+        job.until("node a's group alone", lambda: all(alone(r) for r in ranks))
+        time.sleep(3)
+        back = b.set_link(True)
+        job.until(
+            "node b's group healed back in",
+            lambda: all(worker_events(job, 1, r, "healed", back) for r in ranks),
+            timeout=120,
+        )
+        assert node_a.wait(timeout=180) == 0, (tmp_path / "a.out").read_text()[-3000:]
+        assert node_b.wait(timeout=60) == 0, (tmp_path / "b.out").read_text()[-3000:]
+    finally:
+        for proc in (node_a, node_b):
+            if proc.poll() is None:
+                proc.kill()
+        kill_tagged(job.env[TOKEN_VAR])
+    # Neither group restarted: node a's lost one discarded attempt and a quorum, node b's workers
+    # (which still reached each other) healed in place.
+    assert len(GROUP_WORKER.findall((tmp_path / "a.out").read_text())) == K
+    assert len(GROUP_WORKER.findall((tmp_path / "b.out").read_text())) == K, (tmp_path / "b.out").read_text()[-3000:]
+    for rank in ranks:
+        first = alone(rank)[0]
+        assert first["seconds_since_commit"] < 6.0, first  # --peer-timeout (2 s) + a quorum, one step included
+        assert not worker_events(job, 1, rank, "resumed", back), "node b healed from node a, not a checkpoint"
+    assert len(assert_exactly_once(tmp_path, epochs=6)) == 6
+    done = {(g, r): worker_events(job, g, r, "done")[-1]["weights_sha256"] for g in (0, 1) for r in ranks}
+    assert all(done[(0, r)] == done[(1, r)] for r in ranks), done
+    alone_at = min(_time(alone(r)[0]) for r in ranks)
+    together = [e for e in worker_events(job, 0, 0, "quorum_changed", back) if e["world"] == 2 * K]
+    print(
+        f"\npartitioned trainer group: node a's group alone {alone_at - cut:.2f}s after the cut; both groups "
+        f"together {_time(together[0]) - back:.2f}s after the link came back, without a restart"
+    )
 
 
 @pytest.mark.timeout(300)

@@ -216,7 +216,7 @@ def test_a_cancelled_job_saves_but_is_not_requeued(cluster: Cluster, tmp_path: P
     subprocess.run(["scancel", job.id], check=True, timeout=30)  # SIGTERM to the job, then SIGKILL
     info = job.wait(120)
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
-    time.sleep(15)  # longer than a requeue would take to show (cred_expire=10)
+    time.sleep(10)  # longer than a requeue would take to show (cred_expire=5, .ci/local-slurm.sh)
     info = job.info()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", f"{info}\n{job.text()}"
 
