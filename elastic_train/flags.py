@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-val-samples",
         type=int,
         default=None,
-        help="validate on the first N validation samples only (quick runs)",
+        metavar="N",
+        help="validate on N of the validation samples, spread evenly over the set (quick runs); the "
+        "epoch's val metrics, early stop and --keep-best then judge only these (not fingerprinted)",
     )
     ours.add_argument("--image-size", type=int, default=None, help="resize images to this square size")
     ours.add_argument(

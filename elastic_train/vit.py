@@ -42,6 +42,8 @@ class FeedForward(nn.Sequential):
     draws, exactly as torchvision orders them.
     """
 
+    _version = 2  # torchvision's MLPBlock: the version its state dicts record for these keys
+
     def __init__(self, dim: int, hidden: int, dropout: float) -> None:
         super().__init__(
             nn.Linear(dim, hidden),
@@ -109,6 +111,7 @@ class VisionTransformer(nn.Module):
         num_heads: int,
         hidden_dim: int,
         mlp_dim: int,
+        *,  # keyword-only from here: torchvision's positional order differs (dropout first)
         num_classes: int,
         dropout: float = 0.0,
         attention_dropout: float = 0.0,

@@ -28,7 +28,15 @@ from elastic_train.distributed.process_group import broadcast_error
 from elastic_train.errors import DataError, UsageError
 from elastic_train.task import Task, TaskData
 
-__all__ = ["DataBundle", "GlobalBatchSampler", "Indexed", "load_bundle", "make_loaders", "open_task_data"]
+__all__ = [
+    "DataBundle",
+    "GlobalBatchSampler",
+    "Indexed",
+    "load_bundle",
+    "make_loaders",
+    "open_task_data",
+    "spread_indices",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -120,9 +128,22 @@ def open_task_data(task: Task, cfg: TrainConfig, env: DistEnv) -> TaskData:
     if cfg.max_val_samples is not None and cfg.max_val_samples < len(data.val):  # type: ignore[arg-type]
         # After the identity (the dataset's, not the cap's) and before any loader: every
         # strategy shards and counts this smaller set exactly as it would the whole one.
-        data = replace(data, val=Subset(data.val, range(cfg.max_val_samples)))
+        described = data.describe()
+        picked = spread_indices(len(data.val), cfg.max_val_samples)  # type: ignore[arg-type]
+        data = replace(
+            data, val=Subset(data.val, picked), description=f"{described}, validating on {cfg.max_val_samples}"
+        )
     log.info("dataset_ready", task=task.name, train=len(data.train), val=len(data.val))  # type: ignore[arg-type]
     return data
+
+
+def spread_indices(size: int, n: int) -> list[int]:
+    """``n`` of ``size`` indices spread evenly over the set (``--max-val-samples``), the same on
+    every rank and at every world size. Not the first ``n``: a folder dataset lists its samples
+    class by class, so its first 64 would be one or two classes."""
+    if not 0 < n <= size:
+        raise ValueError(f"cannot pick {n} of {size} samples")
+    return [i * size // n for i in range(n)]
 
 
 class Indexed(Dataset[tuple[Any, ...]]):

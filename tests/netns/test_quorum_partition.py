@@ -155,6 +155,7 @@ def test_a_partitioned_trainer_replica_group_is_left_behind_and_heals_back_in_wo
     assert all(done[(0, r)] == done[(1, r)] for r in ranks), done
     alone_at = min(_time(alone(r)[0]) for r in ranks)
     together = [e for e in worker_events(job, 0, 0, "quorum_changed", back) if e["world"] == 2 * K]
+    assert together, f"node a's group never logged a quorum of both groups again\n{job.output()}"
     print(
         f"\npartitioned trainer group: node a's group alone {alone_at - cut:.2f}s after the cut; both groups "
         f"together {_time(together[0]) - back:.2f}s after the link came back, without a restart"

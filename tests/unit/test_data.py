@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from elastic_train.config import TrainConfig
-from elastic_train.data import Indexed, load_bundle, open_task_data
+from elastic_train.data import Indexed, load_bundle, open_task_data, spread_indices
 from elastic_train.data.datasets import Augment, TrainView
 from elastic_train.data.folders import extract_atomically, load_imagefolder, prepare_tiny_imagenet
 from elastic_train.data.synthetic import digits, synthetic
 from elastic_train.distributed.env import DistEnv
 from elastic_train.errors import DataError
 from elastic_train.image_classification import image_task
+from elastic_train.run_parts import run_fingerprint
 from tests.datagen import WNIDS, imagefolder_tree, tiny_imagenet_tree, tiny_imagenet_zip
 
 
@@ -205,3 +210,34 @@ def test_the_identity_is_computed_once_and_adopted_without_reading_files_again(
     assert data.identify() == before
     with pytest.raises(DataError, match="is not a folder"):
         load_imagefolder(tmp_path, image_size=32, augment_seed=0)
+
+
+def test_max_val_samples_picks_samples_spread_over_a_class_sorted_folder_and_keeps_the_identity(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    """--max-val-samples: a folder dataset lists its validation files class by class, so the
+    first N would be one class; the cap takes N spread over the set. The dataset's identity
+    (and so the checkpoint's fingerprint) is the whole set's, with or without the cap."""
+    imagefolder_tree(tmp_path, classes=4)  # 2 validation images per class, listed by class
+    whole = TrainConfig(dataset="imagefolder", data_dir=tmp_path, batch_size=4, image_size=32)
+    capped = replace(whole, max_val_samples=4)
+    full = open_task_data(image_task(whole), whole, DistEnv())
+    data = open_task_data(image_task(capped), capped, DistEnv())
+    assert [int(full.val[i][1]) for i in range(len(full.val))] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sorted(int(data.val[i][1]) for i in range(len(data.val))) == [0, 1, 2, 3]
+    assert data.identify() == full.identify()
+    assert run_fingerprint(capped, image_task(capped), data.identify(), builtin=True) == run_fingerprint(
+        whole, image_task(whole), full.identify(), builtin=True
+    )
+    assert data.describe().endswith(", validating on 4") and "8 val" in data.describe()
+    more = replace(whole, max_val_samples=100)  # more than the set: every sample, as without it
+    assert len(open_task_data(image_task(more), more, DistEnv()).val) == 8
+
+
+@given(size=st.integers(1, 10_000), data=st.data())
+def test_spread_indices_are_distinct_in_range_and_evenly_spaced(size: int, data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, size))
+    picked = spread_indices(size, n)
+    assert len(picked) == n and picked == sorted(set(picked)) and picked[0] == 0 and picked[-1] < size
+    gaps = {b - a for a, b in itertools.pairwise(picked)}
+    assert gaps <= {size // n, -(-size // n)}, gaps  # every gap the floor or the ceiling of size / n

@@ -42,6 +42,8 @@ def test_initial_weights_names_and_order_equal_torchvision(shape: tuple[int, ...
     ours, theirs = both(shape)
     assert_same_tensors(dict(ours.named_parameters()), dict(theirs.named_parameters()))
     assert_same_tensors(ours.state_dict(), theirs.state_dict())
+    # Each module's recorded version too (a load into either runs the same key migrations).
+    assert ours.state_dict()._metadata == theirs.state_dict()._metadata  # type: ignore[attr-defined]
     # The generator is left where torchvision leaves it: later draws (data order, dropout) match.
     torch.manual_seed(0)
     VisionTransformer(*shape[:6], num_classes=shape[6])
