@@ -15,18 +15,23 @@ One process, one GPU:
    the final model and optimizer are bitwise equal to an uninterrupted run.
 5. ``throughput``: elastic-train vs the bare DDP loop (benchmarks/bare_ddp.py) on the GPU, same
    model, batch and precision; the ratio of median epoch throughputs (>= 0.90 passes).
+6. ``fsdp``: ``--parallel fsdp`` (FSDP2, NCCL, the bf16 mixed-precision policy): check 4's kill +
+   resume, bitwise; then that GPU checkpoint resumed by two CPU processes under gloo (a reshard
+   1 -> 2 and a change of device).
 
 Two processes on GPUs 0 and 1, what a world of one cannot show:
 
-6. ``nccl-bf16-2gpu``: check 1 at world 2: the gradients are averaged by an NCCL all-reduce.
-7. ``async-save-2gpu``: check 3 at world 2. Rank 1 saves its share of the tensors from cuda:1,
+7. ``nccl-bf16-2gpu``: check 1 at world 2: the gradients are averaged by an NCCL all-reduce.
+8. ``async-save-2gpu``: check 3 at world 2. Rank 1 saves its share of the tensors from cuda:1,
    and its writer thread's current device starts as GPU 0 (the current device is per thread), so
    a writer that does not bind to the state's device copies on the wrong stream.
-8. ``kill-resume-2gpu``: check 4 at world 2 with rank 1 (cuda:1) killed: rank 0, waiting in an
+9. ``kill-resume-2gpu``: check 4 at world 2 with rank 1 (cuda:1) killed: rank 0, waiting in an
    NCCL collective, must be torn down and both restarted; bitwise equal to an uninterrupted run.
+10. ``fsdp-2gpu``: check 6 at world 2 with rank 1 killed, then its checkpoint resumed by one
+    GPU process (a reshard 2 -> 1).
 
-What runs where: with no GPU every row reads ``skipped: no GPU``; with one GPU checks 1-5 run and
-6-8 read ``skipped: needs 2 GPUs, 1 visible``; with two or more all run. The exit code is the
+What runs where: with no GPU every row reads ``skipped: no GPU``; with one GPU checks 1-6 run and
+7-10 read ``skipped: needs 2 GPUs, 1 visible``; with two or more all run. The exit code is the
 number of failed checks; a skipped check is not a failure, so a 0 alone does not say that the GPU
 path was checked: the table and the last line (``N passed, N failed, N skipped``) do.
 
@@ -92,7 +97,10 @@ class Check:
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    # ROOT first, what the caller's PYTHONPATH holds after it (packages installed to a --target
+    # folder, as on a machine whose Python environment is not ours to change).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ELASTIC_TRAIN_FAULTS"):
         env.pop(key, None)
     env.update(extra or {})
@@ -142,7 +150,10 @@ def check_amp(where: Where, dtype: str) -> tuple[bool, str]:
         and f"precision: {expected_dtype}" in done.stdout
         and (where.quick or "Early stopping" in done.stdout)
     )
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith(("Early stopping", "Epoch "))), "")
+    lines = done.stdout.splitlines()
+    # The early stop's line where there is one, else the last epoch's.
+    line = next((ln for ln in lines if ln.startswith("Early stopping")), "")
+    line = line or next((ln for ln in reversed(lines) if ln.startswith("Epoch ")), "")
     return ok, line if ok else _tail(done)
 
 
@@ -279,8 +290,10 @@ def check_kill_resume(where: Where, extra: Sequence[str] = ()) -> tuple[bool, st
 
 def check_fsdp(where: Where) -> tuple[bool, str]:
     """FSDP2 under NCCL with the bf16 mixed-precision policy: the kill + resume above, bitwise
-    (each rank saves and reloads only its own pieces); then the finished 2-process run extended
-    by one epoch in one process (every piece read back whole: a reshard 2 -> 1)."""
+    (each rank saves and reloads only its own pieces); then the finished run extended by one
+    epoch at another world size, every piece read back resharded. Two GPUs: the 2-process
+    checkpoint resumed by 1 process (2 -> 1). One GPU: the GPU's checkpoint resumed by 2 CPU
+    processes under gloo (1 -> 2, and cuda -> cpu: nothing in the files names a device)."""
     fsdp = ["--parallel", "fsdp"]
     # bf16 on a CPU is emulated and slow (~10x here): the CPU smoke run checks this script's
     # path in fp32; the bf16 policy itself is what a GPU run shows.
@@ -288,16 +301,21 @@ def check_fsdp(where: Where) -> tuple[bool, str]:
     ok, detail = check_kill_resume(where, fsdp)
     if not ok:
         return False, f"kill + resume: {detail}"
+    if where.processes > 1:
+        processes, device, how = 1, where.device, f"resumed by 1 process ({where.processes} -> 1 pieces)"
+    else:  # the extension runs in fp32 on the CPU: the precision is not fingerprinted
+        processes, device, how = 2, "cpu", f"resumed by 2 CPU processes (1 -> 2 pieces, {where.device} -> cpu)"
+        fsdp = ["--parallel", "fsdp"]
     base = where.work / "killed"
     steps = "4" if where.quick else "8"
     args = [*fsdp, "--epochs", "3", "--max-steps-per-epoch", steps, "--target-accuracy", "1.0", "--patience", "0"]
     batch = "32" if where.quick else "64"  # as check_kill_resume's run it extends
     args += ["--batch-size", batch, "--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
     args += ["--image-size", "16"] if where.quick else []
-    one = _run([*_torchrun(1), "-m", "elastic_train", "--device", where.device, *args, *_val(where)])
-    if one.returncode or "Epoch 3/3" not in one.stdout:
-        return False, f"the 1-process resume of the 2-process FSDP checkpoint failed: {_tail(one)}"
-    return True, f"{detail}; resumed by 1 process (2 -> 1 pieces) to epoch 3"
+    more = _run([*_torchrun(processes), "-m", "elastic_train", "--device", device, *args, *_val(where)])
+    if more.returncode or "Epoch 3/3" not in more.stdout or f"started with {processes} processes" not in more.stdout:
+        return False, f"the {how.split(' (')[0]} failed: {_tail(more)}"
+    return True, f"{detail}; {how} to epoch 3"
 
 
 def _throughputs(lines: str) -> list[float]:
@@ -305,7 +323,10 @@ def _throughputs(lines: str) -> list[float]:
 
 
 def check_throughput(where: Where) -> tuple[bool, str]:
-    epochs, steps = ("3", "3") if where.quick else ("5", "40")
+    # The synthetic set's 4096 samples make an epoch 16 steps of 256 (--max-steps-per-epoch only
+    # caps): an epoch is ~0.25 s on an H200, so 12 epochs give 11 timed ones to take the median of
+    # (5 gave 0.83-1.01 over three runs of the same code).
+    epochs, steps = ("3", "3") if where.quick else ("12", "40")
     shape = ["--epochs", epochs, "--batch-size", "256"]
     bare_script = [str(ROOT / "benchmarks" / "bare_ddp.py"), "--device", where.device, "--steps", steps]
     bare = _run([*_torchrun(where.processes, restarts=0), *bare_script, *shape])
@@ -325,6 +346,7 @@ CHECKS = [
     Spec("async-save", 1, check_async_save),
     Spec("kill-resume", 1, check_kill_resume),
     Spec("throughput", 1, check_throughput),
+    Spec("fsdp", 1, check_fsdp),
     Spec("nccl-bf16-2gpu", 2, lambda w: check_amp(w, "bf16")),
     Spec("async-save-2gpu", 2, check_async_save),
     Spec("kill-resume-2gpu", 2, check_kill_resume),
@@ -336,6 +358,18 @@ def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def where_it_ran(device: str) -> str:
+    """The GPU, torch, CUDA and NCCL versions of this run, for the results file."""
+    import torch
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return f"{device}, torch {torch.__version__}"
+    nccl = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+    gpus = torch.cuda.device_count()
+    name = torch.cuda.get_device_name(0)
+    return f"{gpus} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}"
 
 
 def skip_reason(spec: Spec, device: str, gpus: int) -> str | None:
@@ -407,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(summary(results))
     if args.json:
         rows = [{**r.__dict__, "result": r.result.value} for r in results]
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"where": where_it_ran(args.device), "checks": rows}, indent=2))
     return sum(r.result is Result.FAIL for r in results)
 
 

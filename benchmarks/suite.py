@@ -468,7 +468,7 @@ survivors at all: the next section compares the three like for like.
 
 ## GPU check: `benchmarks/gpu_check.py`
 
-The CUDA + NCCL + AMP path, on a machine with one NVIDIA GPU, in under 5 minutes:
+The CUDA + NCCL + AMP path, on a machine with NVIDIA GPUs, in about 5 minutes:
 
 ```bash
 make gpu-check
@@ -478,7 +478,9 @@ It prints a pass/fail table: NCCL with bf16 and with fp16 autocast (GradScaler) 
 target accuracy on synthetic data; an async checkpoint of live CUDA tensors, taken while training
 goes on, committed and byte-equal to the tensors at the snapshot; a SIGKILLed worker restarted by
 torchrun with `--deterministic`, ending bitwise equal to an uninterrupted run; throughput against
-the bare DDP loop on the GPU (>= 0.90).
+the bare DDP loop on the GPU (>= 0.90); FSDP2 with the bf16 policy killed and resumed bitwise,
+then its checkpoint resumed by two CPU processes (a reshard 1 -> 2 and a change of device). With
+two GPUs also: the same at two processes, rank 1 on cuda:1 saving and killed.
 
 {gpu_result}
 """
@@ -726,13 +728,15 @@ GPU_NOT_RUN = (
 )
 
 
-def gpu_table(checks: Any) -> str:
-    if not checks:
+def gpu_table(run: Any) -> str:
+    """``gpu_check.py --json``'s file: ``{"where", "checks": [{name, result, seconds, detail}],
+    "notes"?: [...]}`` (``notes``: what was measured beside the run, added by whoever ran it)."""
+    if not run:
         return GPU_NOT_RUN
-    lines = ["| check | result | seconds | detail |", "| --- | --- | --- | --- |"]
-    lines += [
-        f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {c['seconds']:.1f} | {c['detail']} |" for c in checks
-    ]
+    lines = [f"Run on {run['where']}:", "", "| check | result | seconds | detail |", "| --- | --- | --- | --- |"]
+    lines += [f"| {c['name']} | {c['result']} | {c['seconds']:.1f} | {c['detail']} |" for c in run["checks"]]
+    for note in run.get("notes", []):
+        lines += ["", note]
     return "\n".join(lines)
 
 

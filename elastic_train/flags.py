@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=d.threads,
-        help="CPU threads per process (0: cores / local processes, or OMP_NUM_THREADS)",
+        help="CPU threads per process (0: cores / local processes, at most 2 on a GPU; or OMP_NUM_THREADS)",
     )
     ours.add_argument("--weight-decay", type=float, default=d.weight_decay)
     ours.add_argument("--warmup-steps", type=int, default=d.warmup_steps)

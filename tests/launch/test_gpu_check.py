@@ -43,5 +43,5 @@ def test_the_gpu_check_script_passes_its_one_and_two_process_checks_in_its_cpu_s
 def test_without_a_gpu_the_gpu_check_reports_every_check_skipped_and_exits_0() -> None:
     done = run([sys.executable, SCRIPT], timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.output
-    assert done.stdout.splitlines()[-1] == "gpu-check skipped: no GPU (9 of 9 checks skipped: nothing was checked)"
-    assert done.stdout.count("| skipped | 0.0 | skipped: no GPU |") == 9, done.stdout
+    assert done.stdout.splitlines()[-1] == "gpu-check skipped: no GPU (10 of 10 checks skipped: nothing was checked)"
+    assert done.stdout.count("| skipped | 0.0 | skipped: no GPU |") == 10, done.stdout

@@ -38,7 +38,7 @@ def _stub_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
 
 
 def test_there_are_two_gpu_checks_for_what_a_world_of_one_cannot_show() -> None:
-    assert ONE_GPU == ["nccl-bf16", "nccl-fp16", "async-save", "kill-resume", "throughput"]
+    assert ONE_GPU == ["nccl-bf16", "nccl-fp16", "async-save", "kill-resume", "throughput", "fsdp"]
     assert TWO_GPU == ["nccl-bf16-2gpu", "async-save-2gpu", "kill-resume-2gpu", "fsdp-2gpu"]
 
 
@@ -51,8 +51,8 @@ def test_with_no_gpu_every_check_is_skipped_and_the_last_line_says_nothing_was_c
     assert code == 0 and ran == []
     for name in ONE_GPU + TWO_GPU:
         assert f"| {name} | skipped | 0.0 | skipped: no GPU |" in out, out
-    assert out.splitlines()[-1] == "gpu-check skipped: no GPU (9 of 9 checks skipped: nothing was checked)"
-    rows = json.loads((tmp_path / "out.json").read_text())
+    assert out.splitlines()[-1] == "gpu-check skipped: no GPU (10 of 10 checks skipped: nothing was checked)"
+    rows = json.loads((tmp_path / "out.json").read_text())["checks"]
     assert {r["result"] for r in rows} == {"skipped"}
 
 
@@ -66,7 +66,7 @@ def test_with_one_gpu_the_one_gpu_checks_run_and_the_two_gpu_checks_say_why_they
     assert [(w.work.name, w.device, w.processes) for w in ran] == [(name, "cuda", 1) for name in ONE_GPU]
     for name in TWO_GPU:
         assert f"| {name} | skipped | 0.0 | skipped: needs 2 GPUs, 1 visible |" in out, out
-    assert out.splitlines()[-1] == "gpu-check: 5 passed, 0 failed, 4 skipped"
+    assert out.splitlines()[-1] == "gpu-check: 6 passed, 0 failed, 4 skipped"
 
 
 def test_with_two_or_more_gpus_the_two_gpu_checks_run_two_processes(
@@ -75,7 +75,7 @@ def test_with_two_or_more_gpus_the_two_gpu_checks_run_two_processes(
     _stub_gpus(monkeypatch, 4)
     assert gpu_check.main([]) == 0
     assert [(w.work.name, w.processes) for w in ran] == [(s.name, s.processes) for s in CHECKS]
-    assert capsys.readouterr().out.splitlines()[-1] == "gpu-check: 9 passed, 0 failed, 0 skipped"
+    assert capsys.readouterr().out.splitlines()[-1] == "gpu-check: 10 passed, 0 failed, 0 skipped"
 
 
 def test_the_cpu_smoke_mode_skips_nothing_and_needs_no_gpu(
@@ -113,3 +113,22 @@ def test_the_async_save_probe_fails_when_rank_1_wrote_nothing_of_its_own() -> No
     assert ok and detail == "equal: 9 tensors (rank 0 wrote 9 from cuda:0, rank 1 wrote 4 from cuda:1)"
     assert not gpu_check.judge_probe([rank0, {**rank1, "wrote": 4, "differ": ["model.w"]}])[0]
     assert not gpu_check.judge_probe([{**rank0, "committed": False}])[0]
+
+
+def test_the_json_file_it_writes_is_what_make_bench_renders_into_the_docs(
+    monkeypatch: pytest.MonkeyPatch, ran: list[Where], tmp_path: Path
+) -> None:
+    from benchmarks import suite
+
+    _stub_gpus(monkeypatch, 1)
+    out = tmp_path / "gpu_check.json"
+    gpu_check.main(["--json", str(out)])
+    run = json.loads(out.read_text())
+    run["notes"] = ["measured beside it"]
+    page = suite.gpu_table(run)
+    assert page.startswith(f"Run on {run['where']}:")
+    assert "| nccl-bf16 | pass |" in page and "| fsdp-2gpu | skipped |" in page
+    assert page.endswith("measured beside it")
+    # The file kept in benchmarks/results renders too (it was written by hand from a GPU run).
+    kept = json.loads((Path(suite.ROOT) / "benchmarks" / "results" / "gpu_check.json").read_text())
+    assert "| kill-resume | pass |" in suite.gpu_table(kept)

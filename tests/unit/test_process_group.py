@@ -156,3 +156,35 @@ def test_in_a_log_progress_is_a_line_now_and_then_not_a_bar(monkeypatch: pytest.
     assert "\r" not in stream.getvalue()
     in_a_log = ProgressBar.for_terminal(True)  # pytest's stderr is not a terminal: lines, not a bar
     assert in_a_log.enabled and not in_a_log.terminal
+
+
+@pytest.mark.parametrize(
+    ("device", "cores", "local", "omp", "flag", "expected"),
+    [
+        ("cpu", 16, 1, None, 0, 16),  # a CPU process: its share of the cores
+        ("cpu", 16, 4, None, 0, 4),
+        ("cuda", 16, 1, None, 0, 2),  # a GPU process: at most GPU_PROCESS_THREADS
+        ("cuda", 16, 16, None, 0, 1),
+        ("cuda", 16, 1, "8", 0, 8),  # OMP_NUM_THREADS and --threads still win
+        ("cuda", 16, 1, None, 6, 6),
+    ],
+)
+def test_threads_are_the_process_share_of_the_cores_and_at_most_two_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, device: str, cores: int, local: int, omp: str | None, flag: int, expected: int
+) -> None:
+    from elastic_train.config import TrainConfig
+    from elastic_train.run import GPU_PROCESS_THREADS, configure_threads
+
+    assert GPU_PROCESS_THREADS == 2
+    before = torch.get_num_threads()
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)))
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    placement = pg.Placement(torch.device(device, 0) if device == "cuda" else torch.device("cpu"), "gloo")
+    try:
+        assert configure_threads(TrainConfig(threads=flag), DistEnv(local_world_size=local), placement) == expected
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
