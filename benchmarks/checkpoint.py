@@ -50,7 +50,7 @@ from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, loa
 from elastic_train.checkpoint.snapshot import Position, Snapshot, capture, restore  # noqa: E402
 from elastic_train.checkpoint.state import load_state_dicts, unflatten  # noqa: E402
 from elastic_train.distributed.env import DistEnv  # noqa: E402
-from elastic_train.distributed.process_group import ControlPlane  # noqa: E402
+from elastic_train.distributed.process_group import ControlPlane, broadcast_json  # noqa: E402
 
 WORLD = 2
 WIDTH = 2048
@@ -137,8 +137,7 @@ class Worker:
         box = ["posix_fadvise(DONTNEED) on the shard files (drop_caches is not writable)"]
         if self.rank == 0 and os.access(DROP_CACHES, os.W_OK):
             box = ["`sync; echo 3 > /proc/sys/vm/drop_caches`"]
-        dist.broadcast_object_list(box, src=0)
-        return str(box[0])
+        return str(broadcast_json(box[0], src=0))
 
     def clean(self, drop: list[Path] | None = None) -> None:
         """Between measurements: no dirty pages left; with ``drop``, those files out of the page cache."""

@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.overhead import CONFIDENCE, median_interval  # noqa: E402
 from elastic_train.checkpoint.tensor_io import _CHUNK as WRITE_BUFFER  # noqa: E402
 from elastic_train.distributed.env import DistEnv  # noqa: E402
+from elastic_train.distributed.process_group import broadcast_json  # noqa: E402
 
 WORLD = 2
 WIDTH = 2048  # the MLP of the checkpoint measures: layers of WIDTH x WIDTH fp32 weights
@@ -147,8 +148,7 @@ class Disk:
         box = ["posix_fadvise(DONTNEED) on every checkpoint file (drop_caches is not writable here)"]
         if os.access(DROP_CACHES, os.W_OK):
             box = ["`sync; echo 3 > /proc/sys/vm/drop_caches` (this machine's whole page cache)"]
-        dist.broadcast_object_list(box, src=0)
-        self.method = str(box[0])
+        self.method = str(broadcast_json(box[0], src=0))
 
     def clean(self, drop: list[Path] | None = None) -> None:
         gc.collect()

@@ -1,4 +1,4 @@
-"""``make gpu-check``: the CUDA + NCCL + AMP path on a machine with NVIDIA GPUs, in < 5 minutes.
+"""``make gpu-check``: the CUDA + NCCL + AMP path on a machine with NVIDIA GPUs (~4 min on one).
 
 The CPU machines that build and test elastic-train have no GPU; this script is what a machine
 with them runs. Each check prints one row of a pass/fail table.
@@ -302,20 +302,24 @@ def check_fsdp(where: Where) -> tuple[bool, str]:
     if not ok:
         return False, f"kill + resume: {detail}"
     if where.processes > 1:
-        processes, device, how = 1, where.device, f"resumed by 1 process ({where.processes} -> 1 pieces)"
-    else:  # the extension runs in fp32 on the CPU: the precision is not fingerprinted
-        processes, device, how = 2, "cpu", f"resumed by 2 CPU processes (1 -> 2 pieces, {where.device} -> cpu)"
-        fsdp = ["--parallel", "fsdp"]
+        processes, device, resume_flags = 1, where.device, fsdp
+        label = f"resumed by 1 process ({where.processes} -> 1 pieces)"
+    else:  # on the CPU in fp32: the precision is not fingerprinted
+        processes, device, resume_flags = 2, "cpu", ["--parallel", "fsdp"]
+        label = f"resumed by 2 CPU processes (1 -> 2 pieces, {where.device} -> cpu)"
     base = where.work / "killed"
     steps = "4" if where.quick else "8"
-    args = [*fsdp, "--epochs", "3", "--max-steps-per-epoch", steps, "--target-accuracy", "1.0", "--patience", "0"]
+    args = [*resume_flags, "--epochs", "3", "--max-steps-per-epoch", steps, "--target-accuracy", "1.0"]
     batch = "32" if where.quick else "64"  # as check_kill_resume's run it extends
-    args += ["--batch-size", batch, "--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt")]
-    args += ["--image-size", "16"] if where.quick else []
+    args += ["--patience", "0", "--batch-size", batch, "--log-dir", str(base / "logs")]
+    args += ["--checkpoint-dir", str(base / "ckpt"), *(["--image-size", "16"] if where.quick else [])]
     more = _run([*_torchrun(processes), "-m", "elastic_train", "--device", device, *args, *_val(where)])
-    if more.returncode or "Epoch 3/3" not in more.stdout or f"started with {processes} processes" not in more.stdout:
-        return False, f"the {how.split(' (')[0]} failed: {_tail(more)}"
-    return True, f"{detail}; {how} to epoch 3"
+    # A run that found no checkpoint would train epochs 1-3 from scratch and print the same end.
+    resumed = "Extending the finished run" in more.stdout and "Epoch 3/3" in more.stdout
+    resumed = resumed and "Epoch 1/3" not in more.stdout
+    if more.returncode or not resumed or f"started with {processes} processes" not in more.stdout:
+        return False, f"not {label}: {_tail(more)}"
+    return True, f"{detail}; {label} to epoch 3"
 
 
 def _throughputs(lines: str) -> list[float]:
@@ -325,12 +329,13 @@ def _throughputs(lines: str) -> list[float]:
 def check_throughput(where: Where) -> tuple[bool, str]:
     # The synthetic set's 4096 samples make an epoch 16 steps of 256 (--max-steps-per-epoch only
     # caps): an epoch is ~0.25 s on an H200, so 12 epochs give 11 timed ones to take the median of
-    # (5 gave 0.83-1.01 over three runs of the same code).
+    # (5 gave 0.83-1.01 over three runs of the same code; 12 not yet run on a GPU).
     epochs, steps = ("3", "3") if where.quick else ("12", "40")
     shape = ["--epochs", epochs, "--batch-size", "256"]
     bare_script = [str(ROOT / "benchmarks" / "bare_ddp.py"), "--device", where.device, "--steps", steps]
     bare = _run([*_torchrun(where.processes, restarts=0), *bare_script, *shape])
-    ours = _trainer(where, where.work, [*shape, "--max-steps-per-epoch", steps, "--target-accuracy", "1.0"])
+    until_the_end = ["--target-accuracy", "1.0", "--patience", "0"]  # no early stop: every epoch timed
+    ours = _trainer(where, where.work, [*shape, "--max-steps-per-epoch", steps, *until_the_end])
     bare_tp = [json.loads(ln)["throughput"] for ln in bare.stdout.splitlines() if ln.startswith("{")]
     ours_tp = _throughputs(ours.stdout)
     if len(bare_tp) < 2 or len(ours_tp) < 2:
@@ -364,12 +369,14 @@ def where_it_ran(device: str) -> str:
     """The GPU, torch, CUDA and NCCL versions of this run, for the results file."""
     import torch
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    when = f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}, commit {commit.stdout.strip() or 'unknown'}"
     if device != "cuda" or not torch.cuda.is_available():
-        return f"{device}, torch {torch.__version__}"
+        return f"{device}, torch {torch.__version__}, {when}"
     nccl = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
     gpus = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0)
-    return f"{gpus} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}"
+    return f"{gpus} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, {when}"
 
 
 def skip_reason(spec: Spec, device: str, gpus: int) -> str | None:

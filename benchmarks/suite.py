@@ -425,7 +425,7 @@ make bench
 ```
 
 (`benchmarks/suite.py`, about 100 minutes on 2 cores; run it on a quiet machine); nothing below
-is typed by hand.
+is typed by hand but the GPU check's notes (what was measured beside its run, by whoever ran it).
 
 - Written {when} from each benchmark's latest results ({label}).
 - Machine: {results.get("machine", {}).get("machine") or machine()}.{measured_apart(results)}
@@ -468,7 +468,8 @@ survivors at all: the next section compares the three like for like.
 
 ## GPU check: `benchmarks/gpu_check.py`
 
-The CUDA + NCCL + AMP path, on a machine with NVIDIA GPUs, in about 5 minutes:
+The CUDA + NCCL + AMP path, on a machine with NVIDIA GPUs (about 4 minutes on one H200; the
+two-GPU checks add theirs):
 
 ```bash
 make gpu-check
@@ -723,7 +724,7 @@ SPLIT_ORDER = [
 GPU_NOT_RUN = (
     "Not run yet: the machines this page was measured on have no GPU, and no GPU machine was lent "
     "to the session that wrote the script. Its CPU smoke mode (`--device cpu --quick`: gloo, bf16 on "
-    "the CPU, tiny runs; the bf16 and async-save checks) runs in `make test` "
+    "the CPU, tiny runs; the bf16, async-save, fsdp and fsdp-2gpu checks) runs in `make test` "
     "(`tests/launch/test_gpu_check.py`), so the script itself stays working."
 )
 
@@ -733,6 +734,8 @@ def gpu_table(run: Any) -> str:
     "notes"?: [...]}`` (``notes``: what was measured beside the run, added by whoever ran it)."""
     if not run:
         return GPU_NOT_RUN
+    if not isinstance(run, dict) or "checks" not in run:
+        raise SystemExit("benchmarks/results/gpu_check.json is of an older format: run gpu_check.py --json again")
     lines = [f"Run on {run['where']}:", "", "| check | result | seconds | detail |", "| --- | --- | --- | --- |"]
     lines += [f"| {c['name']} | {c['result']} | {c['seconds']:.1f} | {c['detail']} |" for c in run["checks"]]
     for note in run.get("notes", []):

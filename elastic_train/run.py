@@ -38,6 +38,7 @@ from elastic_train.outcome import (
     stop_marker,
     write_marker,
 )
+from elastic_train.quorum.names import LAUNCHER_THREADS_VAR
 from elastic_train.resilience.goodput import Accounting, ProgressTracker, read_progress
 from elastic_train.resilience.orphan import ParentWatch
 from elastic_train.resilience.peer_progress import job_store
@@ -54,24 +55,29 @@ from elastic_train.trainer import Trainer
 log = structlog.get_logger(__name__)
 
 
-# A GPU process's own CPU work is the kernel-launch loop and each batch's collate and pinned
-# copy: small ops, for which a pool of every core costs more in wake-ups than it gains. Measured
-# on an H200 host of 16 cores (make gpu-check's throughput run, one process, 16 steps an epoch):
-# 16 threads 0.33-0.36 s an epoch, 2 threads 0.23-0.29 s, 1 thread 0.26-0.30 s.
+# A GPU process's own CPU work, in the built-in task, is the kernel-launch loop and each batch's
+# collate and pinned copy: small ops, for which a pool of every core costs more in wake-ups than
+# it gains. Measured on an H200 host of 16 cores with the synthetic ViT (make gpu-check's
+# throughput run, one process, 16 steps an epoch): 16 threads 0.33-0.36 s an epoch, 2 threads
+# 0.23-0.29 s, 1 thread 0.26-0.30 s. A task with heavy CPU work in the main process (torch ops on
+# the CPU with --num-workers 0) passes --threads.
 GPU_PROCESS_THREADS = 2
 
 
 def configure_threads(cfg: TrainConfig, env: DistEnv, placement: Placement) -> int:
     """Avoid oversubscription: two processes with two threads each on two cores run at half speed.
-    On a GPU, at most ``GPU_PROCESS_THREADS`` unless asked for more."""
+    A default (no ``--threads``, no OMP_NUM_THREADS of the user's) is the process's share of the
+    cores, at most ``GPU_PROCESS_THREADS`` on a GPU."""
+    omp = os.environ.get("OMP_NUM_THREADS")
     if cfg.threads:
-        threads = cfg.threads
-    elif os.environ.get("OMP_NUM_THREADS"):
-        threads = int(os.environ["OMP_NUM_THREADS"])
-    else:
-        threads = max(1, len(os.sched_getaffinity(0)) // env.local_world_size)
-        if placement.is_cuda:
-            threads = min(threads, GPU_PROCESS_THREADS)
+        return _set_threads(cfg.threads)
+    if omp and omp != os.environ.get(LAUNCHER_THREADS_VAR):  # the user's, not the quorum launcher's share
+        return _set_threads(int(omp))
+    threads = int(omp) if omp else max(1, len(os.sched_getaffinity(0)) // env.local_world_size)
+    return _set_threads(min(threads, GPU_PROCESS_THREADS) if placement.is_cuda else threads)
+
+
+def _set_threads(threads: int) -> int:
     torch.set_num_threads(threads)
     return threads
 

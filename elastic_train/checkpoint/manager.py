@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -87,6 +87,7 @@ from elastic_train.checkpoint.storage import (
 from elastic_train.checkpoint.tensor_io import DTYPE_NAMES, read_shards, write_shard
 from elastic_train.config import BEST_METRICS, DATA_KEY, TASK_IGNORES
 from elastic_train.distributed.env import DistEnv
+from elastic_train.distributed.process_group import all_gather_json, broadcast_json
 from elastic_train.errors import UsageError
 
 log = structlog.get_logger(__name__)
@@ -148,6 +149,12 @@ class ShardResult:
     error: str = ""
     # Pieces of sharded tensors in ``file``: key -> ``Box.to_json()`` (plain values on the wire).
     pieces: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShardResult:
+        """Back from ``asdict``, as it travels between ranks (JSON, never pickle)."""
+        entry = data.get("entry")
+        return cls(**{**data, "entry": FileEntry(**entry) if entry is not None else None})
 
 
 @dataclass
@@ -279,10 +286,9 @@ class Checkpointer:
                         "pass a writable folder (on storage every node sees)",
                     )
                 )
-        box: list[str | None] = [error]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        if box[0] is not None:
-            raise UsageError(box[0])
+        shared = broadcast_json(error, src=0, group=self.group)
+        if shared is not None:
+            raise UsageError(shared)
 
     def close(self) -> None:
         self.wait_staged()
@@ -359,9 +365,7 @@ class Checkpointer:
                 target = self._target(snap)
             except OSError as exc:
                 target = SaveTarget("failed", error=f"cannot inspect {self.cfg.root}: {exc!r}")
-        box: list[SaveTarget] = [target]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return SaveTarget(**broadcast_json(asdict(target), src=0, group=self.group))
 
     def _target(self, snap: Snapshot) -> SaveTarget:
         """Rank 0: where ``snap`` goes. Never a committed folder: a committed checkpoint is only
@@ -529,19 +533,18 @@ class Checkpointer:
         snap, folder, future = self._pending
         self._pending = None
         result = self._wait_beating(future)
-        results: list[ShardResult | None] = [None] * self.env.world_size
-        dist.all_gather_object(results, result, group=self.group)
-        failures = [r for r in results if r is None or r.error]
+        results = [ShardResult.from_json(r) for r in all_gather_json(asdict(result), group=self.group)]
+        failures = [r for r in results if r.error]
         ok = not failures
         if ok and should_manage_checkpoints(self.env):
-            ok = self._write_manifest(snap, folder, [r for r in results if r is not None])
+            ok = self._write_manifest(snap, folder, results)
         elif failures:
             for r in failures:
                 log.error(
                     "checkpoint_failed",
                     step=snap.step,
-                    rank=r.rank if r else None,
-                    error=r.error if r else "no result",
+                    rank=r.rank,
+                    error=r.error,
                     detail="previous checkpoint kept; retry at next interval",
                 )
         committed = self._agree(ok)
@@ -681,21 +684,19 @@ class Checkpointer:
                 error = str(exc)
             except OSError as exc:  # listing the folder failed: every rank must hear of it, not hang
                 error = f"{self.cfg.root} cannot be read: {exc}. Fix: check the storage and run again"
-        box: list[str | None] = [error, choice]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        if box[0] is not None:
-            raise UsageError(box[0])
-        if box[1] is None:
+        error, choice = broadcast_json([error, choice], src=0, group=self.group)
+        if error is not None:
+            raise UsageError(error)
+        if choice is None:
             self._agree_timeline()
             return None
-        folder = Path(box[1])
+        folder = Path(choice)
         try:
             loaded = load(folder)
             error = None
         except CheckpointInvalid as exc:
             error = f"rank {self.env.rank}: {exc}"
-        errors: list[str | None] = [None] * self.env.world_size
-        dist.all_gather_object(errors, error, group=self.group)
+        errors: list[str | None] = all_gather_json(error, group=self.group)
         first = next((e for e in errors if e), None)
         if first:
             raise UsageError(
@@ -734,9 +735,7 @@ class Checkpointer:
         if should_manage_checkpoints(self.env):
             selection, self._selection = self._selection or Selection(None), None
             timeline = self._settle(selection)
-        box = [timeline]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        self.timeline = box[0]
+        self.timeline = broadcast_json(timeline, src=0, group=self.group)
 
     def _settle(self, selection: Selection, keep_newer: bool = False) -> str:
         """Rank 0, after every rank loaded ``selection``: move aside what fallback found corrupt

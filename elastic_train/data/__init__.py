@@ -14,7 +14,6 @@ from typing import Any
 
 import structlog
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from elastic_train.checkpoint.format import check_json
@@ -24,7 +23,7 @@ from elastic_train.data.folders import load_imagefolder, load_tiny_imagenet, pre
 from elastic_train.data.sampler import EvalBatchSampler, GlobalBatchSampler
 from elastic_train.data.synthetic import digits, synthetic
 from elastic_train.distributed.env import DistEnv, should_prepare_dataset
-from elastic_train.distributed.process_group import broadcast_error
+from elastic_train.distributed.process_group import all_gather_json, broadcast_error
 from elastic_train.errors import DataError, UsageError
 from elastic_train.task import Task, TaskData
 
@@ -107,22 +106,22 @@ def open_task_data(task: Task, cfg: TrainConfig, env: DistEnv) -> TaskData:
         _check_fits(cfg, len(data.train), data.name or task.name)  # type: ignore[arg-type]
         if should_prepare_dataset(env):
             # The identity may read every file's size: one rank does it, the others adopt it.
-            identity = data.identify()
+            found = data.identify()
             try:
-                check_json(identity, f"{task.name}: the data's identity", finite=True)
+                check_json(found, f"{task.name}: the data's identity", finite=True)
             except ValueError as exc:
                 raise DataError(str(exc), "return plain JSON values from TaskData.identity") from None
+            identity = found  # only a JSON value travels to the other ranks
     except UsageError as exc:
         error = f"rank {env.rank}: {exc}" if env.is_distributed else str(exc)
     except Exception as exc:
         error, crashed = f"rank {env.rank}: {task.name}: data() raised {type(exc).__name__}: {exc}", True
-    reports: list[tuple[str | None, bool, dict[str, Any] | None] | None] = [None] * env.world_size
-    dist.all_gather_object(reports, (error, crashed, identity))
-    first = next((r for r in reports if r is not None and r[0] is not None), None)
-    if first is not None and first[0] is not None:
+    reports: list[list[Any]] = all_gather_json([error, crashed, identity])  # [error, crashed, identity] a rank
+    first = next((r for r in reports if r[0] is not None), None)
+    if first is not None:
         raise (RuntimeError if first[1] else DataError)(first[0])
     assert data is not None
-    identity = next(r[2] for r in reports if r is not None and r[2] is not None)
+    identity = next(r[2] for r in reports if r[2] is not None)
     adopted = dict(identity)
     data = replace(data, identity=lambda: adopted)
     if cfg.max_val_samples is not None and cfg.max_val_samples < len(data.val):  # type: ignore[arg-type]

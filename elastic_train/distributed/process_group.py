@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -190,9 +192,65 @@ def broadcast_flag(flag: bool, device: torch.device, src: int = 0) -> bool:
 
 def broadcast_error(message: str | None, src: int = 0) -> str | None:
     """Share rank ``src``'s error message (or None) so every rank can fail the same way."""
-    box: list[str | None] = [message]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    shared: str | None = broadcast_json(message, src=src)
+    return shared
+
+
+# Small values that ranks share (errors, a dataset's identity) travel as UTF-8 JSON in uint8
+# tensors, never through torch's *_object collectives: those pickle, and unpickling what arrives
+# from the network runs whatever the sender chose. A length beyond this is refused unread.
+MAX_JSON_BYTES = 1 << 30
+
+
+def _object_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the current GPU under NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encoded(value: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def _decoded(payload: torch.Tensor) -> Any:
+    return json.loads(payload.cpu().numpy().tobytes().decode())
+
+
+def _checked_length(size: torch.Tensor, sender: str) -> int:
+    length = int(size.item())
+    if not 0 <= length <= MAX_JSON_BYTES:
+        raise RuntimeError(f"{sender} announced {length} bytes of JSON (at most {MAX_JSON_BYTES}): refused unread")
+    return length
+
+
+def broadcast_json(value: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank ``src``'s JSON value (the others' ``value`` is ignored), on every rank of ``group``:
+    its length, then its bytes. Collective; doubles as a barrier behind ``src``."""
+    device = _object_device(group)
+    payload = _encoded(value).to(device) if dist.get_rank() == src else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if payload is None:
+        payload = torch.empty(_checked_length(size, f"rank {src}"), dtype=torch.uint8, device=device)
+    if payload.numel():
+        dist.broadcast(payload, src=src, group=group)
+    return _decoded(payload)
+
+
+def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's JSON value, in rank order, on every rank of ``group``. Collective."""
+    device = _object_device(group)
+    mine = _encoded(value).to(device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
+    lengths = [_checked_length(size, f"rank {r}") for r, size in enumerate(sizes)]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [_decoded(payload[:length]) for payload, length in zip(gathered, lengths, strict=True)]
 
 
 def barrier(placement: Placement) -> None:

@@ -61,7 +61,7 @@ from elastic_train.errors import UsageError
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum import identity
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken
-from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, JOB_VAR, SECRET_VAR, WARM_ARGV_VAR
+from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, JOB_VAR, LAUNCHER_THREADS_VAR, SECRET_VAR, WARM_ARGV_VAR
 
 # Imported by the forkserver once; a forked worker finds them in memory.
 # The last one opens the task's data (``warm``): a restarted worker need not.
@@ -216,7 +216,12 @@ class Agent:
         self.k = args.procs_per_replica
         self.local_workers = args.nproc_per_node * self.k
         cores = len(os.sched_getaffinity(0))
-        self.threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // self.local_workers))
+        # The user's OMP_NUM_THREADS, else a share of the cores: a custom loop that sets none
+        # would otherwise start a pool of every core in each worker (named as the launcher's own
+        # choice, which the trainer caps on a GPU).
+        users = os.environ.get("OMP_NUM_THREADS")
+        self.threads = users or str(max(1, cores // self.local_workers))
+        self.threads_are_ours = not users
 
     def environ(self, slot: Slot, rank: int = 0) -> dict[str, str]:
         # On one node every listener (a replica's store and state server) stays on loopback.
@@ -245,6 +250,7 @@ class Agent:
             "TORCHFT_LIGHTHOUSE": self.lighthouse,
             GROUPS_VAR: str(self.args.nnodes * self.args.nproc_per_node),
             "OMP_NUM_THREADS": self.threads,
+            **({LAUNCHER_THREADS_VAR: self.threads} if self.threads_are_ours else {}),
         }
 
     def start(self, slot: Slot) -> None:

@@ -18,3 +18,8 @@ SECRET_VAR = "ELASTIC_TRAIN_QUORUM_SECRET"
 WARM_ARGV_VAR = "ELASTIC_TRAIN_WARM_ARGV"
 # Replica groups the job was launched with (for the start-up line).
 GROUPS_VAR = "ELASTIC_TRAIN_QUORUM_GROUPS"
+
+# The OMP_NUM_THREADS the quorum launcher chose for its workers (a share of the node's cores),
+# set only when the user did not set OMP_NUM_THREADS: the worker then treats it as a default
+# (``run.configure_threads`` caps it on a GPU), not as the user's choice.
+LAUNCHER_THREADS_VAR = "ELASTIC_TRAIN_LAUNCHER_THREADS"

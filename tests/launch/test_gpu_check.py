@@ -33,11 +33,12 @@ def _smoke(*checks: str) -> None:
 
 
 def test_the_gpu_check_script_passes_its_one_and_two_process_checks_in_its_cpu_smoke_mode() -> None:
-    # One run of the script for all four (each run starts torch and a bf16 probe first).
+    # One run of the script for all five (each run starts torch and a bf16 probe first).
     # kill-resume at world 1: tests/launch/test_checkpoint_torchrun.py; nccl-bf16-2gpu's code is
     # nccl-bf16's at world 2; kill-resume-2gpu's code runs inside fsdp-2gpu (its kill + resume
-    # with --parallel fsdp), which adds the resume of its checkpoint by one process.
-    _smoke("nccl-bf16", "async-save", "async-save-2gpu", "fsdp-2gpu")
+    # with --parallel fsdp), which adds the resume of its checkpoint by one process; fsdp's
+    # resume is by two processes (1 -> 2 pieces).
+    _smoke("nccl-bf16", "async-save", "async-save-2gpu", "fsdp", "fsdp-2gpu")
 
 
 def test_without_a_gpu_the_gpu_check_reports_every_check_skipped_and_exits_0() -> None:

@@ -65,3 +65,26 @@ def decision_worker(rank: int, world: int, init_file: str, root: str) -> None:
 def test_every_rank_follows_rank_0s_decision_on_where_a_save_goes(tmp_path: Path) -> None:
     spawn_ranks(decision_worker, 2, (str(tmp_path),), timeout=90)
     assert [fmt.aside_reason(a) for a in fmt.aside_folders(tmp_path)] == ["abandoned"]
+
+
+def json_worker(rank: int, world: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    from elastic_train.distributed.process_group import all_gather_json, broadcast_json
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        # Ranks' values of different lengths (rank 1's the longest), None among them.
+        mine = None if rank == 2 else {"rank": rank, "text": "é" * (10 if rank == 1 else 1)}
+        assert all_gather_json(mine) == [{"rank": 0, "text": "é"}, {"rank": 1, "text": "é" * 10}, None]
+        assert broadcast_json(f"from rank {rank}", src=1) == "from rank 1"
+        side = dist.new_group(backend="gloo")  # as the checkpointer's own group
+        assert broadcast_json([rank, None], src=0, group=side) == [0, None]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_values_shared_between_ranks_travel_as_json_of_any_length() -> None:
+    spawn_ranks(json_worker, 3, (), timeout=90)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,32 +160,125 @@ def test_in_a_log_progress_is_a_line_now_and_then_not_a_bar(monkeypatch: pytest.
 
 
 @pytest.mark.parametrize(
-    ("device", "cores", "local", "omp", "flag", "expected"),
+    ("device", "cores", "local", "omp", "launchers", "flag", "expected"),
     [
-        ("cpu", 16, 1, None, 0, 16),  # a CPU process: its share of the cores
-        ("cpu", 16, 4, None, 0, 4),
-        ("cuda", 16, 1, None, 0, 2),  # a GPU process: at most GPU_PROCESS_THREADS
-        ("cuda", 16, 16, None, 0, 1),
-        ("cuda", 16, 1, "8", 0, 8),  # OMP_NUM_THREADS and --threads still win
-        ("cuda", 16, 1, None, 6, 6),
+        ("cpu", 16, 1, None, None, 0, 16),  # a CPU process: its share of the cores
+        ("cpu", 16, 4, None, None, 0, 4),
+        ("cuda", 16, 1, None, None, 0, 2),  # a GPU process: at most GPU_PROCESS_THREADS
+        ("cuda", 16, 16, None, None, 0, 1),
+        ("cuda", 16, 1, "8", None, 0, 8),  # the user's OMP_NUM_THREADS and --threads still win
+        ("cuda", 16, 1, None, None, 6, 6),
+        ("cuda", 16, 1, "16", "16", 0, 2),  # the quorum launcher's share is a default: capped
+        ("cpu", 16, 1, "16", "16", 0, 16),
+        ("cuda", 16, 1, "8", "16", 0, 8),  # the user's, whatever the launcher's variable says
     ],
 )
 def test_threads_are_the_process_share_of_the_cores_and_at_most_two_on_a_gpu(
-    monkeypatch: pytest.MonkeyPatch, device: str, cores: int, local: int, omp: str | None, flag: int, expected: int
+    monkeypatch: pytest.MonkeyPatch,
+    device: str,
+    cores: int,
+    local: int,
+    omp: str | None,
+    launchers: str | None,
+    flag: int,
+    expected: int,
 ) -> None:
     from elastic_train.config import TrainConfig
+    from elastic_train.quorum.names import LAUNCHER_THREADS_VAR
     from elastic_train.run import GPU_PROCESS_THREADS, configure_threads
 
     assert GPU_PROCESS_THREADS == 2
     before = torch.get_num_threads()
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cores)))
-    if omp is None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    for name, value in (("OMP_NUM_THREADS", omp), (LAUNCHER_THREADS_VAR, launchers)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     placement = pg.Placement(torch.device(device, 0) if device == "cuda" else torch.device("cpu"), "gloo")
     try:
         assert configure_threads(TrainConfig(threads=flag), DistEnv(local_world_size=local), placement) == expected
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------- JSON, never pickle
+VALUES = [None, "", "rank 0: no such folder", {"name": "cifar10", "files": 3, "é": ["ü", 1.5, None, True]}, [1, [2]]]
+
+
+@pytest.mark.parametrize("value", VALUES)
+def test_json_collectives_give_back_what_was_sent_in_a_world_of_one(world_of_one: None, value: object) -> None:
+    assert pg.broadcast_json(value) == value
+    assert pg.all_gather_json(value) == [value]
+
+
+def test_a_length_beyond_the_bound_is_refused_before_any_byte_is_read(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pg, "MAX_JSON_BYTES", 4)
+    with pytest.raises(RuntimeError, match=r"rank 0 announced 7 bytes of JSON \(at most 4\): refused unread"):
+        pg.all_gather_json("abcde")
+
+
+def test_data_and_checkpoint_agreement_never_unpickle(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The paths that used torch's *_object collectives (which pickle) run with pickling made to
+    fail: opening the data, a checkpoint's start, save, commit and resume."""
+    from torch.distributed import distributed_c10d
+
+    from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer
+    from elastic_train.config import TrainConfig
+    from elastic_train.data import open_task_data
+    from elastic_train.image_classification import image_task
+    from tests.unit.test_checkpoint_units import FINGERPRINT, snap
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("an object collective (pickle) was used")
+
+    monkeypatch.setattr(distributed_c10d, "_object_to_tensor", refuse)
+    monkeypatch.setattr(distributed_c10d, "_tensor_to_object", refuse)
+    cfg = TrainConfig(dataset="synthetic", batch_size=32)
+    data = open_task_data(image_task(cfg), cfg, DistEnv())
+    assert data.identify()
+    ck = Checkpointer(CheckpointConfig(root=tmp_path), DistEnv(run_id="unit"), FINGERPRINT)
+    ck.start()
+    assert ck.resume() is None
+    assert ck.save(snap(2, 0, 2), sync=True) is True
+    ck.close()
+    again = Checkpointer(CheckpointConfig(root=tmp_path), DistEnv(run_id="unit"), FINGERPRINT)
+    again.start()
+    loaded = again.resume()
+    assert loaded is not None and loaded.manifest.step == 2
+    again.close()
+
+
+UNPICKLING = {
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+}
+
+
+def test_the_package_calls_no_object_collective_and_imports_no_pickle() -> None:
+    import ast
+
+    package = Path(__file__).resolve().parents[2] / "elastic_train"
+    found = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in UNPICKLING:
+                found.append(f"{path.name}:{node.lineno} {node.attr}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id in ("torch", "pickle"):  # torch.load unpickles
+                    found.append(f"{path.name}:{node.lineno} {owner.id}.load")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                if any(n and n.split(".")[0] in ("pickle", "cPickle", "dill") for n in names):
+                    found.append(f"{path.name}:{node.lineno} imports pickle")
+    assert not found, found

@@ -406,3 +406,19 @@ def test_the_summed_stop_votes_give_the_strongest_kind_asked_for(kinds: list[Sto
     job script would requeue); a preemption anywhere wins."""
     total = sum((stop_vote(k) for k in kinds), 0.0)
     assert agreed_stop(total) is expected
+
+
+def test_the_launcher_names_its_own_thread_share_and_passes_the_users_on_as_the_users(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from elastic_train.quorum.names import LAUNCHER_THREADS_VAR
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    ours = Agent(parse(["--nproc-per-node", "2", "-m", "elastic_train"])[0], [], "http://127.0.0.1:1")
+    env = ours.environ(ours.slots[0])
+    assert env["OMP_NUM_THREADS"] == env[LAUNCHER_THREADS_VAR] == "8"  # a default: capped on a GPU
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    users = Agent(parse(["--nproc-per-node", "2", "-m", "elastic_train"])[0], [], "http://127.0.0.1:1")
+    env = users.environ(users.slots[0])
+    assert env["OMP_NUM_THREADS"] == "3" and LAUNCHER_THREADS_VAR not in env
