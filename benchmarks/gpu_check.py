@@ -369,8 +369,12 @@ def where_it_ran(device: str) -> str:
     """The GPU, torch, CUDA and NCCL versions of this run, for the results file."""
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    when = f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}, commit {commit.stdout.strip() or 'unknown'}"
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        commit = done.stdout.strip() or "unknown"
+    except OSError:  # no git on the GPU machine: the results must still be written
+        commit = "unknown"
+    when = f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}, commit {commit}"
     if device != "cuda" or not torch.cuda.is_available():
         return f"{device}, torch {torch.__version__}, {when}"
     nccl = ".".join(str(v) for v in torch.cuda.nccl.version())  # type: ignore[no-untyped-call]

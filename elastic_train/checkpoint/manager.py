@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -150,9 +150,15 @@ class ShardResult:
     # Pieces of sharded tensors in ``file``: key -> ``Box.to_json()`` (plain values on the wire).
     pieces: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
+    def to_json(self) -> dict[str, Any]:
+        """As it travels between ranks (JSON, never pickle): the fields as they are (``asdict``
+        would deep-copy every piece at each commit), the entry as a dict."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["entry"] = asdict(self.entry) if self.entry is not None else None
+        return out
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShardResult:
-        """Back from ``asdict``, as it travels between ranks (JSON, never pickle)."""
         entry = data.get("entry")
         return cls(**{**data, "entry": FileEntry(**entry) if entry is not None else None})
 
@@ -249,7 +255,7 @@ class Checkpointer:
         if group is None and dist.is_initialized() and dist.get_backend() != "gloo":
             new = dist.new_group(backend="gloo")
             group = new if isinstance(new, dist.ProcessGroup) else None
-        self.group = group  # gloo group for the object collectives (None: the default group)
+        self.group = group  # gloo group for the JSON collectives (None: the default group)
         self.lock = CheckpointLock(cfg.root, owner=env.job_id, ttl_s=lock_ttl(cfg.hang_timeout))
         self.purger = Purger()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
@@ -365,7 +371,12 @@ class Checkpointer:
                 target = self._target(snap)
             except OSError as exc:
                 target = SaveTarget("failed", error=f"cannot inspect {self.cfg.root}: {exc!r}")
-        return SaveTarget(**broadcast_json(asdict(target), src=0, group=self.group))
+        agreed = SaveTarget(**broadcast_json(asdict(target), src=0, group=self.group))
+        # The folder is joined to the root: a name with a separator (or "..") would write elsewhere.
+        name = agreed.folder
+        if agreed.action == "write" and (Path(name).name != name or name in ("", ".", "..")):
+            raise RuntimeError(f"rank 0 named {name!r} as the save's folder: not a folder name in {self.cfg.root}")
+        return agreed
 
     def _target(self, snap: Snapshot) -> SaveTarget:
         """Rank 0: where ``snap`` goes. Never a committed folder: a committed checkpoint is only
@@ -533,7 +544,7 @@ class Checkpointer:
         snap, folder, future = self._pending
         self._pending = None
         result = self._wait_beating(future)
-        results = [ShardResult.from_json(r) for r in all_gather_json(asdict(result), group=self.group)]
+        results = [ShardResult.from_json(r) for r in all_gather_json(result.to_json(), group=self.group)]
         failures = [r for r in results if r.error]
         ok = not failures
         if ok and should_manage_checkpoints(self.env):
@@ -691,6 +702,8 @@ class Checkpointer:
             self._agree_timeline()
             return None
         folder = Path(choice)
+        if not _may_resume_from(self.cfg, folder):  # every rank checks what it is told to load
+            raise RuntimeError(f"rank 0 chose {folder} to resume from: neither in {self.cfg.root} nor --resume's")
         try:
             loaded = load(folder)
             error = None
@@ -774,6 +787,12 @@ class Checkpointer:
         except OSError as exc:
             log.error("checkpoint_latest_repair_failed", error=repr(exc))
         return timeline
+
+
+def _may_resume_from(cfg: CheckpointConfig, folder: Path) -> bool:
+    """A checkpoint this run may load: in its own folder, or in the one ``--resume PATH`` named."""
+    allowed = [cfg.root] if cfg.resume in ("auto", "never") else [cfg.root, Path(cfg.resume)]
+    return any(folder.resolve().is_relative_to(place.resolve()) for place in allowed)
 
 
 def select_checkpoint(cfg: CheckpointConfig, fingerprint: dict[str, Any]) -> Path | None:

@@ -196,10 +196,13 @@ def broadcast_error(message: str | None, src: int = 0) -> str | None:
     return shared
 
 
-# Small values that ranks share (errors, a dataset's identity) travel as UTF-8 JSON in uint8
+# Small values that ranks share (errors, a dataset's identity) travel as JSON (ASCII) in uint8
 # tensors, never through torch's *_object collectives: those pickle, and unpickling what arrives
-# from the network runs whatever the sender chose. A length beyond this is refused unread.
-MAX_JSON_BYTES = 1 << 30
+# from the network runs whatever the sender chose. The channel is still the job's own process
+# group, which torch does not authenticate: a receiver checks what a value may name (e.g. the
+# checkpointer's folders). A length beyond this bound is refused unread, on every rank (the
+# sender too, so no rank goes on into the payload's collective alone); real values are KB to MB.
+MAX_JSON_BYTES = 64 << 20
 
 
 def _object_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -217,35 +220,41 @@ def _decoded(payload: torch.Tensor) -> Any:
     return json.loads(payload.cpu().numpy().tobytes().decode())
 
 
-def _checked_length(size: torch.Tensor, sender: str) -> int:
-    length = int(size.item())
-    if not 0 <= length <= MAX_JSON_BYTES:
-        raise RuntimeError(f"{sender} announced {length} bytes of JSON (at most {MAX_JSON_BYTES}): refused unread")
-    return length
+def _checked_lengths(sizes: torch.Tensor, senders: list[int]) -> list[int]:
+    """The announced lengths (one device-to-host copy for all), each within ``MAX_JSON_BYTES``."""
+    lengths: list[int] = sizes.cpu().tolist()
+    for sender, length in zip(senders, lengths, strict=True):
+        if not 0 <= length <= MAX_JSON_BYTES:
+            raise RuntimeError(
+                f"rank {sender} announced {length} bytes of JSON (at most {MAX_JSON_BYTES}): refused unread"
+            )
+    return lengths
 
 
 def broadcast_json(value: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
     """Rank ``src``'s JSON value (the others' ``value`` is ignored), on every rank of ``group``:
-    its length, then its bytes. Collective; doubles as a barrier behind ``src``."""
+    its length, then its bytes. ``src`` is a global rank, as in ``dist.broadcast``. Collective;
+    doubles as a barrier behind ``src``."""
     device = _object_device(group)
     payload = _encoded(value).to(device) if dist.get_rank() == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, src=src, group=group)
+    (length,) = _checked_lengths(size, [src])
     if payload is None:
-        payload = torch.empty(_checked_length(size, f"rank {src}"), dtype=torch.uint8, device=device)
-    if payload.numel():
+        payload = torch.empty(length, dtype=torch.uint8, device=device)
+    if length:
         dist.broadcast(payload, src=src, group=group)
     return _decoded(payload)
 
 
 def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's JSON value, in rank order, on every rank of ``group``. Collective."""
+    """Every rank's JSON value, in the group's rank order, on every rank of ``group``. Collective."""
     device = _object_device(group)
     mine = _encoded(value).to(device)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
-    lengths = [_checked_length(size, f"rank {r}") for r, size in enumerate(sizes)]
+    lengths = _checked_lengths(torch.cat(sizes), list(range(world)))
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
     gathered = [torch.empty_like(padded) for _ in range(world)]

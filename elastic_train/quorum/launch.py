@@ -222,6 +222,8 @@ class Agent:
         users = os.environ.get("OMP_NUM_THREADS")
         self.threads = users or str(max(1, cores // self.local_workers))
         self.threads_are_ours = not users
+        if users:  # the workers inherit this environment: no stale mark may make the user's a default
+            os.environ.pop(LAUNCHER_THREADS_VAR, None)
 
     def environ(self, slot: Slot, rank: int = 0) -> dict[str, str]:
         # On one node every listener (a replica's store and state server) stays on loopback.

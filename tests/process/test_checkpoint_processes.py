@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from elastic_train.checkpoint import format as fmt
-from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, SaveTarget
+from elastic_train.checkpoint.format import FileEntry
+from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, SaveTarget, ShardResult
 from elastic_train.checkpoint.snapshot import Snapshot
 from elastic_train.distributed.env import DistEnv
 from tests.helpers import spawn_ranks
@@ -81,6 +82,24 @@ def json_worker(rank: int, world: int, init_file: str) -> None:
         assert broadcast_json(f"from rank {rank}", src=1) == "from rank 1"
         side = dist.new_group(backend="gloo")  # as the checkpointer's own group
         assert broadcast_json([rank, None], src=0, group=side) == [0, None]
+        # A shard result with pieces and no entry, and one with an entry, as a commit gathers them.
+        result = ShardResult(rank, pieces={"model.w": {"offsets": [rank], "lengths": [1]}})
+        if rank == 1:
+            result = ShardResult(rank, "shard-1.safetensors", FileEntry(3, "a" * 64, "b" * 32), ["x"])
+        back = [ShardResult.from_json(r) for r in all_gather_json(result.to_json(), group=side)]
+        assert back[rank] == result and back[1].entry == FileEntry(3, "a" * 64, "b" * 32)
+        # Over the bound, every rank refuses, the sender too: none goes on into the payload alone.
+        from elastic_train.distributed import process_group as pg
+
+        pg.MAX_JSON_BYTES = 8
+        try:
+            broadcast_json("x" * 20, src=1)
+        except RuntimeError as exc:
+            assert "rank 1 announced 22 bytes of JSON (at most 8): refused unread" in str(exc)
+        else:
+            raise AssertionError("a value over the bound was shared")
+        pg.MAX_JSON_BYTES = 64 << 20
+        assert broadcast_json("after", src=0) == "after"  # the collectives still line up
     finally:
         dist.destroy_process_group()
 

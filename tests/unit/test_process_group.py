@@ -254,7 +254,7 @@ def test_data_and_checkpoint_agreement_never_unpickle(
     again.close()
 
 
-UNPICKLING = {
+OBJECT_COLLECTIVES = {
     "broadcast_object_list",
     "all_gather_object",
     "gather_object",
@@ -262,23 +262,53 @@ UNPICKLING = {
     "send_object_list",
     "recv_object_list",
 }
+# ``X.load`` / ``X.loads`` that unpickle (np.load may): any other owner's load is its own method.
+UNPICKLERS = {"torch", "serialization", "pickle", "cPickle", "dill", "marshal", "np", "numpy"}
 
 
-def test_the_package_calls_no_object_collective_and_imports_no_pickle() -> None:
+def test_the_package_calls_no_object_collective_and_no_unpickler_and_imports_no_pickle() -> None:
     import ast
 
     package = Path(__file__).resolve().parents[2] / "elastic_train"
     found = []
     for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in UNPICKLING:
-                found.append(f"{path.name}:{node.lineno} {node.attr}")
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
-                owner = node.func.value
-                if isinstance(owner, ast.Name) and owner.id in ("torch", "pickle"):  # torch.load unpickles
-                    found.append(f"{path.name}:{node.lineno} {owner.id}.load")
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
-                if any(n and n.split(".")[0] in ("pickle", "cPickle", "dill") for n in names):
-                    found.append(f"{path.name}:{node.lineno} imports pickle")
+            where = f"{path.relative_to(package)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute):
+                owner = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", None)
+                if node.attr in OBJECT_COLLECTIVES or (node.attr in ("load", "loads") and owner in UNPICKLERS):
+                    found.append(f"{where} {owner}.{node.attr}")
+            if isinstance(node, ast.Name) and node.id in OBJECT_COLLECTIVES:
+                found.append(f"{where} {node.id}")
+            if isinstance(node, ast.ImportFrom):
+                names = {a.name for a in node.names}
+                if names & OBJECT_COLLECTIVES or (node.module or "").split(".")[0] in ("pickle", "dill"):
+                    found.append(f"{where} from {node.module} import {sorted(names)}")
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] in ("pickle", "dill") for a in node.names):
+                found.append(f"{where} imports pickle")
     assert not found, found
+
+
+def test_a_rank_writes_and_loads_only_where_the_run_may(world_of_one: None, tmp_path: Path) -> None:
+    """What rank 0 announces is checked on receipt: the save's folder is a plain name in the
+    checkpoint folder, and the checkpoint to load lies there or under ``--resume PATH``."""
+    from elastic_train.checkpoint.manager import CheckpointConfig, Checkpointer, SaveTarget, _may_resume_from
+    from tests.unit.test_checkpoint_units import FINGERPRINT, snap
+
+    root = tmp_path / "ckpt"
+    ck = Checkpointer(CheckpointConfig(root=root), DistEnv(run_id="unit"), FINGERPRINT)
+    ck.start()
+    try:
+        for bad in ("../elsewhere", "/tmp/elsewhere", "..", ""):
+            ck._target = lambda _snap, bad=bad: SaveTarget("write", bad)  # type: ignore[method-assign,misc]
+            with pytest.raises(RuntimeError, match="as the save's folder: not a folder name in"):
+                ck.save(snap(2, 0, 2), sync=True)
+        assert not (tmp_path / "elsewhere").exists()
+    finally:
+        ck.close()
+    auto = CheckpointConfig(root=root)
+    assert _may_resume_from(auto, root / "step-00000002")
+    assert not _may_resume_from(auto, tmp_path / "other" / "step-00000002")
+    assert not _may_resume_from(auto, root / ".." / "other")
+    named = CheckpointConfig(root=root, resume=str(tmp_path / "other"))
+    assert _may_resume_from(named, tmp_path / "other" / "step-00000002")
