@@ -135,7 +135,10 @@ class Slot:
         if ExitCode.USAGE in failed:
             self.failure = ExitCode.USAGE
         elif failed and self.failure is None:
-            self.failure = failed[0]
+            # Several seen in one poll: a death by a signal (SIGKILL, the OOM killer) is the
+            # cause, a sibling's error exit its consequence (its collective with the dead worker
+            # failed within the poll interval). The agent itself signals no worker before this.
+            self.failure = min(failed, key=lambda code: code >= 0)
         if None in codes:
             if self.failure is not None:
                 self.signal(signal.SIGKILL)

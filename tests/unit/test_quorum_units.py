@@ -279,6 +279,10 @@ def test_a_group_ends_with_its_first_failure_and_its_running_workers_are_killed(
     assert slot.ended() is None and killed == [9]  # SIGKILL: a SIGTERM would be a preemption
     slot.procs[1].exitcode = 1  # type: ignore[misc]  # the sibling's own failure, after the kill
     assert slot.ended() == -9  # the first failure is the group's
+    # Both seen in one poll (the sibling's collective failed within the interval): the kill
+    # is the cause, whichever worker is listed first.
+    together = Slot(0, procs=[_FakeProc(1), _FakeProc(-9)])  # type: ignore[list-item]
+    assert together.ended() == -9
     both = Slot(0, procs=[_FakeProc(0), _FakeProc(75)])  # type: ignore[list-item]
     assert both.ended() == 75  # ended on their own: the first nonzero code
     assert Slot(0, procs=[_FakeProc(0), _FakeProc(0)]).ended() == 0  # type: ignore[list-item]
