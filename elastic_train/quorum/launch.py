@@ -135,10 +135,13 @@ class Slot:
         if ExitCode.USAGE in failed:
             self.failure = ExitCode.USAGE
         elif failed and self.failure is None:
-            # Several seen in one poll: a death by a signal (SIGKILL, the OOM killer) is the
-            # cause, a sibling's error exit its consequence (its collective with the dead worker
-            # failed within the poll interval). The agent itself signals no worker before this.
-            self.failure = min(failed, key=lambda code: code >= 0)
+            # Several seen in one poll: a death by a signal from outside (SIGKILL, the OOM
+            # killer) is the cause, a sibling's error exit its consequence (its collective with
+            # the dead worker failed within the poll interval). Not so for a frozen sibling
+            # that ``GroupWatch`` SIGKILLed before exiting HUNG: the freeze is the cause. This
+            # slot's own SIGKILL comes only after the failure is recorded (a stop signal the
+            # agent forwards may kill a worker still starting, but then nothing restarts).
+            self.failure = ExitCode.HUNG if ExitCode.HUNG in failed else min(failed, key=lambda code: code >= 0)
         if None in codes:
             if self.failure is not None:
                 self.signal(signal.SIGKILL)

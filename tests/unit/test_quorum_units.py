@@ -283,6 +283,9 @@ def test_a_group_ends_with_its_first_failure_and_its_running_workers_are_killed(
     # is the cause, whichever worker is listed first.
     together = Slot(0, procs=[_FakeProc(1), _FakeProc(-9)])  # type: ignore[list-item]
     assert together.ended() == -9
+    # A worker's group watch SIGKILLed its frozen sibling, then exited HUNG: the freeze is the cause.
+    frozen = Slot(0, procs=[_FakeProc(-9), _FakeProc(int(ExitCode.HUNG))])  # type: ignore[list-item]
+    assert frozen.ended() == ExitCode.HUNG
     both = Slot(0, procs=[_FakeProc(0), _FakeProc(75)])  # type: ignore[list-item]
     assert both.ended() == 75  # ended on their own: the first nonzero code
     assert Slot(0, procs=[_FakeProc(0), _FakeProc(0)]).ended() == 0  # type: ignore[list-item]
