@@ -28,7 +28,7 @@ loss (one of two agents and its worker SIGKILLed, or SIGSTOPped: a frozen node) 
 the smaller size is timed too. Targets (issue 11): quorum goodput >= 0.95, <= 1 s lost per worker failure, node loss ->
 first step <= 3 s.
 
-    python benchmarks/goodput.py [--soaks 3] [--mtbf 30] [--epochs 12] [--json out.json]
+    python benchmarks/goodput.py [--soaks 3] [--mtbf 30] [--spacing fixed|random] [--epochs 12] [--json out.json]
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def events(base: Path, name: str) -> list[dict[str, Any]]:
     return sorted(found, key=lambda e: e["_t"])
 
 
-def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int) -> dict[str, Any]:
+def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int, spacing: str = "fixed") -> dict[str, Any]:
     """One launch, optionally with chaos; returns its wall time, kills and output."""
     env = base_env()
     command = [*LAUNCH[mode], "-m", "elastic_train", *train_flags(epochs, base), *MODE_FLAGS.get(mode, [])]
@@ -113,7 +113,7 @@ def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int) -> di
             if mtbf:
                 chaos = subprocess.Popen(
                     [sys.executable, str(ROOT / "jobs" / "chaos.py"), "--mtbf", str(mtbf), "--match", str(base),
-                     "--seed", str(seed), "--duration", "3600", "--idle-exit", "20"],
+                     "--seed", str(seed), "--duration", "3600", "--idle-exit", "20", "--spacing", spacing],
                     stdout=subprocess.PIPE, text=True, env=env,
                 )  # fmt: skip
             code = proc.wait(timeout=epochs * 120 + 600)
@@ -312,6 +312,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--soaks", type=int, default=3)
     parser.add_argument("--mtbf", type=float, default=30.0)
+    parser.add_argument(
+        "--spacing", choices=("fixed", "random"), default="fixed", help="jobs/chaos.py: every MTBF, or exponential gaps"
+    )
     parser.add_argument("--epochs", type=int, default=12, help="~9 s each on 2 CPU workers")
     parser.add_argument("--node-loss-repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
@@ -333,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for i in range(args.soaks):
             for m in modes[i % len(modes) :] + modes[: i % len(modes)]:
                 runs[m].append(run(m, fresh(), args.epochs, None, 0))
-                soaks[m].append(run(m, fresh(), args.epochs, args.mtbf, seed=100 + i))
+                soaks[m].append(run(m, fresh(), args.epochs, args.mtbf, seed=100 + i, spacing=args.spacing))
                 f, s = runs[m][-1], soaks[m][-1]
                 print(f"{m}: round {i + 1}: fault-free {f['wall_s']:.1f} s, soak {s['wall_s']:.1f} s, "
                       f"{len(s['kills'])} kills", flush=True)  # fmt: skip
@@ -345,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             },
             "soaks": args.soaks,
             "mtbf_s": args.mtbf,
+            "spacing": args.spacing,
             "epochs": args.epochs,
             "reference": min(modes, key=lambda m: ff[m]["wall_s"]),
             "load_1min_max": max(r["load_1min"] for m in modes for r in runs[m] + soaks[m]),

@@ -487,6 +487,13 @@ two GPUs also: the same at two processes, rank 1 on cuda:1 saving and killed.
 """
 
 
+def kill_spacing(g: dict[str, Any]) -> str:
+    """How the soak's kills were spaced (results before ``--spacing`` existed were fixed)."""
+    if g.get("spacing", "fixed") == "random":
+        return f"at exponentially distributed gaps of mean {g['mtbf_s']:.0f} s"
+    return f"every {g['mtbf_s']:.0f} s"
+
+
 def goodput_load(g: dict[str, Any]) -> str:
     """How busy the machine was: the highest 1-minute load average seen after a run."""
     if "load_1min_max" not in g:
@@ -553,7 +560,7 @@ def goodput_fsdp_section(g: dict[str, Any]) -> str:
 Restart mode with `--parallel fsdp` (FSDP2 over the 2 workers: parameters, gradients and optimizer
 state sharded; each rank writes its own pieces of every checkpoint) beside the replicated
 `torchrun` job, in {g["soaks"]} rounds of their own (a fault-free run and a soak of each, kills
-every {g["mtbf_s"]:.0f} s, {g["epochs"]} epochs). Same definitions as above. {goodput_load(g)}
+{kill_spacing(g)}, {g["epochs"]} epochs). Same definitions as above. {goodput_load(g)}
 
 | measure | torchrun (DDP) | torchrun, FSDP2 (`--parallel fsdp`) |
 | --- | --- | --- |
@@ -675,7 +682,7 @@ The same job launched three ways on one node (2 CPU workers, the ViT, global bat
 {g["epochs"]} epochs, a checkpoint every 2 steps): `torchrun --max-restarts=100`, the warm launcher
 (`python -m elastic_train.launch`, same flags) and quorum mode (`python -m elastic_train.quorum.launch`).
 Per mode {g["soaks"]} runs without failures and {g["soaks"]} soaks in which `jobs/chaos.py` SIGKILLs a
-random worker every {g["mtbf_s"]:.0f} s (seeded), in rounds that interleave the modes. {g.get("caveat", "")}
+random worker {kill_spacing(g)} (seeded), in rounds that interleave the modes. {g.get("caveat", "")}
 Every run trains the same
 samples, so goodput = (trained samples / fault-free throughput) / wall = fault-free wall / soak
 wall, walls from the launch command to the process's exit (start-up and the final checkpoint
