@@ -227,15 +227,22 @@ def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every
     assert len(restarted) == len(killed) + len(rejoins) and killed <= set(restarted), restarted
     for victim, at in kills:
         survivor = 1 - victim
-        shrink = [e for e in events(job, survivor, "quorum_changed", at) if e["world"] == 1]
-        assert shrink, f"replica {survivor} never went on alone after the kill of {victim}\n{job.output()}"
-        # The survivor's cost: from its last commit before the kill to its first one after, one
-        # step's own time included (the target, <= 1 s, is the benchmark's: this is a bound).
-        assert shrink[0]["seconds_since_commit"] < 3.0, shrink[0]
+        # The survivor's first commit after the kill: alone (world 1), or already beside the
+        # replacement when its warm fork (~0.4 s here) asked before the Lighthouse dropped the
+        # dead worker (400 ms heartbeat timeout; a fresh-clone run met this); no change at all
+        # when the kill fell between two of its attempts and the replacement joined at once.
+        # Its cost: from its last commit before the kill to its first one after, one step's own
+        # time included (the target, <= 1 s, is the benchmark's: this is a bound).
+        for first in events(job, survivor, "quorum_changed", at)[:1]:
+            assert first["world"] in (1, 2) and first["seconds_since_commit"] < 3.0, first
         assert not events(job, victim, "resumed", at), "a restarted replica must heal from a peer, not a checkpoint"
     # A survivor whose gradient average failed keeps its share's gradients and trains only the rest.
     salvaged = [e for victim, at in kills for e in events(job, 1 - victim, "salvaged", at)]
-    assert salvaged and all(e["kept"] > 0 and e["kept"] + e["computing"] == BATCH for e in salvaged), salvaged
+    # It kept its old share (half the batch) and trains the rest of its new one: the whole batch
+    # alone, or its same half when the replacement was back in the redo's quorum.
+    assert salvaged and all(
+        e["kept"] == BATCH // 2 and e["kept"] + e["computing"] in (BATCH // 2, BATCH) for e in salvaged
+    ), salvaged
     diff = max_abs_diff(final_state(job.base), final_state(fault_free))
     assert diff < 1e-5, f"weights differ from the fault-free run by {diff}"
     assert [r["val_acc"] for r in history] == pytest.approx(
