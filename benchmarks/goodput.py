@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -83,11 +84,23 @@ MODE_FLAGS = {"fsdp": ["--parallel", "fsdp"]}
 WORKER = re.compile(r"replica group (\d+): worker pid (\d+)")
 
 
+# --train-flags: more trainer flags for every run, e.g. a model whose heal moves real state
+# ("--model torchvision:alexnet --image-size 64": 57 M parameters, 228 MB of weights).
+EXTRA_FLAGS: list[str] = []
+
+
 def train_flags(epochs: int, base: Path) -> list[str]:
     return [
         "--batch-size", "128", "--epochs", str(epochs), "--target-accuracy", "1.0", "--patience", "0",
         "--checkpoint-every", "2", "--log-dir", str(base / "logs"), "--checkpoint-dir", str(base / "ckpt"),
+        *EXTRA_FLAGS,
     ]  # fmt: skip
+
+
+def state_mb(base: Path) -> float:
+    """The newest checkpoint's size: the model and optimizer state that a heal moves too."""
+    folder = (base / "ckpt" / "latest").resolve()
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e6
 
 
 def events(base: Path, name: str) -> list[dict[str, Any]]:
@@ -131,7 +144,10 @@ def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int, spaci
     # The 1-minute load when the run ended: this run alone keeps ~2 of the 2 cores busy; far
     # more means other work shared the machine and its walls measure that too.
     load = os.getloadavg()[0]
-    return {"wall_s": wall, "kills": kills, "base": base, "digests": digests, "weights": weights, "load_1min": load}
+    return {
+        "wall_s": wall, "kills": kills, "base": base, "digests": digests, "weights": weights, "load_1min": load,
+        "state_mb": state_mb(base),
+    }  # fmt: skip
 
 
 def final_state(base: Path) -> tuple[list[tuple[int, str]], dict[str, Any]]:
@@ -181,8 +197,8 @@ def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int]) 
     process stops), re-forming (the next quorum: the Lighthouse's heartbeat timeout), state
     transfer (the restarted replica healing from the survivor: the survivor's wait for it) and
     recomputation (the discarded attempt's work)."""
-    detect, reform, redo, transfer = [], [], [], []
-    discarded, changed = events(base, "discarded"), events(base, "quorum_changed")
+    detect, reform, redo, transfer, heal = [], [], [], [], []
+    discarded, changed, healed = events(base, "discarded"), events(base, "quorum_changed"), events(base, "healed")
     for kill in kills:
         victim = pids.get(kill["pid"])
         if victim is None:
@@ -198,6 +214,10 @@ def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int]) 
             reform.append(shrink[0].get("quorum_s", 0.0))
         if grow:
             transfer.append(grow[0].get("quorum_s", 0.0))
+        # The replacement's own time for the fetch and load of the peer's state.
+        fetched = [e for e in healed if e["_file"] == f"replica_{victim}.jsonl" and e["_t"] > kill["time"]]
+        if fetched:
+            heal.append(float(fetched[0].get("seconds", 0.0)))
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     return {
         "detection_s": med(detect),
@@ -205,6 +225,7 @@ def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int]) 
         "reform_s": med(reform),
         "state_transfer_s": med(transfer),
         "recomputation_s": med(redo),
+        "heal_s": med(heal),
     }
 
 
@@ -301,6 +322,7 @@ def summarise(
         **paired(ff_walls, [s["wall_s"] for s in soaks], [len(s["kills"]) for s in soaks], best_ff),
         "split_s": split,
         "fault_free_step_s": step_s,
+        "state_mb": ff.get("state_mb"),
         # Against the same mode's fault-free run: the same samples every epoch (digests), and
         # how far the final weights are (0.0: bitwise equal).
         "exactly_once": all(sk["digests"] == ff["digests"] for sk in soaks),
@@ -319,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--node-loss-repeats", type=int, default=3)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--train-flags", default="", help="more trainer flags for every run (one string)")
     args = parser.parse_args(argv)
+    EXTRA_FLAGS[:] = shlex.split(args.train_flags)
     modes = [m for m in args.modes.split(",") if m]
     keep: list[tempfile.TemporaryDirectory[str]] = []
 
@@ -350,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "mtbf_s": args.mtbf,
             "spacing": args.spacing,
             "epochs": args.epochs,
+            "train_flags": EXTRA_FLAGS,
             "reference": min(modes, key=lambda m: ff[m]["wall_s"]),
             "load_1min_max": max(r["load_1min"] for m in modes for r in runs[m] + soaks[m]),
         }

@@ -17,7 +17,13 @@
 #   ET_FT              restart (default): torchrun, the semantics above | quorum (needs torchft)
 #   ET_PROCS_PER_REPLICA  ET_FT=quorum: workers per replica group (default 1; the node's GPU count
 #                      makes each node one replica, DDP or FSDP2 inside by --parallel)
-#   ET_RDZV_ENDPOINT   host:port of the rendezvous store (required, restart mode)
+#   ET_RDZV_ENDPOINT   host:port of the rendezvous store (required, restart mode); with
+#                      ET_RDZV_BACKEND=etcd, every etcd member's host:port, comma-separated
+#   ET_RDZV_BACKEND    c10d (default): torch's TCPStore rendezvous | etcd: torch's etcd-v2 backend
+#                      over an etcd cluster (python -m elastic_train.etcd_member), which survives
+#                      the loss of a minority of its members; needs ET_RDZV_ID or $SLURM_JOB_ID
+#   ET_ETCD_READ_TIMEOUT  ET_RDZV_BACKEND=etcd: seconds before a request to a silent member fails
+#                      over to another (default 5)
 #   ET_RDZV_ID         job id shared by all agents (default: $SLURM_JOB_ID, else "elastic-train"; with
 #                      neither, the job's identity, the checkpoint lock's owner, is minted once in the
 #                      rendezvous store, so two jobs on one --checkpoint-dir are told apart)
@@ -65,6 +71,8 @@ et_setup_runtime
 et_setup_ft
 et_setup_launcher
 if [ "$ET_FT_MODE" = quorum ]; then
+  [ "${ET_RDZV_BACKEND:-c10d}" = c10d ] ||
+    et_die "ET_RDZV_BACKEND=${ET_RDZV_BACKEND} is a restart-mode setting: quorum mode has no rendezvous (its coordinator is the Lighthouse); unset it or use ET_FT=restart"
   node_rank=${ET_NODE_RANK:-${SLURM_NODEID:-0}}
   lighthouse_port=${ET_LIGHTHOUSE_PORT:-29510}
   if [ -n "${ET_LIGHTHOUSE:-}" ]; then
@@ -90,6 +98,21 @@ else
   endpoint=${ET_RDZV_ENDPOINT:?ET_RDZV_ENDPOINT=host:port of the rendezvous store is required}
   is_host=false
   [ "${ET_STORE_HOST:-0}" = 1 ] && is_host=true
+  backend=c10d
+  case ${ET_RDZV_BACKEND:-c10d} in
+    c10d) ;;
+    etcd)
+      # torch's etcd-v2 backend connects to the one endpoint it is given and fails at start if
+      # that member is down; connected, python-etcd learns every member and moves on from a dead
+      # one by itself. So the agent starts with whichever member answers now.
+      backend=etcd-v2
+      [ -n "${ET_RDZV_ID:-}${SLURM_JOB_ID:-}" ] ||
+        et_die "ET_RDZV_BACKEND=etcd needs ET_RDZV_ID (the job's name, the same on every node): an etcd rendezvous has no store to mint one in"
+      endpoint=$("${ET_RUN[@]}" python -m elastic_train.etcd_member pick "$endpoint" --timeout "${ET_JOIN_TIMEOUT:-600}") ||
+        et_die "no etcd member of ET_RDZV_ENDPOINT=$ET_RDZV_ENDPOINT answers (the reason is above)"
+      ;;
+    *) et_die "ET_RDZV_BACKEND=${ET_RDZV_BACKEND} is not c10d or etcd" ;;
+  esac
   # Why each setting (measured on torch 2.14.1, see docs/fault-tolerance.md):
   # - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: every rendezvous round gets a fresh store for the
   #   workers, so restarted workers never read the previous round's addresses; with the shared
@@ -105,10 +128,13 @@ else
   fi
   rdzv_conf="is_host=$is_host,join_timeout=${ET_JOIN_TIMEOUT:-600},last_call_timeout=5"
   rdzv_conf+=",keep_alive_interval=1,keep_alive_max_attempt=3"
-  coordinator="nodes $nnodes, rendezvous $endpoint"
+  # etcd: python-etcd moves to another member only when a request fails at the socket, and a frozen
+  # or cut-off member's requests fail only at this timeout (torch's default: 60 s).
+  [ "$backend" = etcd-v2 ] && rdzv_conf+=",read_timeout=${ET_ETCD_READ_TIMEOUT:-5}"
+  coordinator="nodes $nnodes, rendezvous $backend $endpoint"
   # shellcheck disable=SC2054  # the commas separate --signals-to-handle's list, one argument
   launch=("${ET_LAUNCH[@]}" --nnodes="$nnodes" --nproc-per-node="$nproc"
-    --max-restarts="${ET_MAX_RESTARTS:-3}" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
+    --max-restarts="${ET_MAX_RESTARTS:-3}" --rdzv-backend="$backend" --rdzv-endpoint="$endpoint"
     --rdzv-id="${ET_RDZV_ID:-${SLURM_JOB_ID:-elastic-train}}" --rdzv-conf="$rdzv_conf"
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2
     --shutdown-timeout="${ET_SHUTDOWN_TIMEOUT:-60}" ${ET_LOCAL_ADDR:+"--local-addr=$ET_LOCAL_ADDR"})

@@ -52,6 +52,26 @@ def test_unknown_runtime_is_refused_with_a_hint(tmp_path: Path) -> None:
     assert done.returncode == 2 and "needs ET_CONTAINER" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("knobs", "says"),
+    [
+        ({"ET_RDZV_BACKEND": "zookeeper"}, "ET_RDZV_BACKEND=zookeeper is not c10d or etcd"),
+        ({"ET_RDZV_BACKEND": "etcd"}, "ET_RDZV_BACKEND=etcd needs ET_RDZV_ID"),
+        ({"ET_RDZV_BACKEND": "etcd", "ET_FT": "quorum"}, "ET_RDZV_BACKEND=etcd is a restart-mode setting"),
+    ],
+)
+def test_the_agent_refuses_a_rendezvous_backend_it_cannot_use(tmp_path: Path, knobs: dict[str, str], says: str) -> None:
+    env = {
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "ET_VENV": sys.prefix,
+        "ET_LOG_DIR": str(tmp_path),
+        "ET_RDZV_ENDPOINT": "127.0.0.1:1",
+        **knobs,
+    }
+    done = run(["bash", str(ROOT / "jobs" / "elastic-agent.sh")], timeout=60, env={**env, "SLURM_JOB_ID": ""})
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+
+
 def finish(
     tmp_path: Path, rc: int, restarts: str | None, marker: str | None, signal: str = "", **knobs: str
 ) -> tuple[int, str, str]:

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from elastic_train.outcome import PREEMPTED_MARKER, ExitCode
+from elastic_train.testing.etcd import REQUIRE_VAR as ETCD_REQUIRED
+from elastic_train.testing.etcd import missing as etcd_missing
 from tests.helpers import (
     ROOT,
     TOKEN_VAR,
@@ -193,10 +195,17 @@ def test_a_crash_is_requeued_at_most_the_cap_then_fails_with_its_cause(cluster: 
     assert "InjectedFault" in text and "injected fault: raise at step 3" in text  # torchrun's root cause
 
 
-def test_multinode_sbatch_preempts_requeues_and_resumes(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_multinode_sbatch_preempts_requeues_and_resumes(cluster: Cluster, tmp_path: Path, backend: str) -> None:
     # One node here: the store, srun's signal relay and the agent's requeue loop are the same as on
-    # many (two agents losing and regaining a node are in tests/launch/test_elastic.py).
-    env = {**dirs(tmp_path), "ET_RDZV_PORT": str(free_port()), "ET_NPROC": "2"}
+    # many (two agents losing and regaining a node are in tests/launch/test_elastic.py; an etcd
+    # member lost with a node in tests/launch/test_etcd_rendezvous.py). With etcd the job starts a
+    # member per node (one here) beside the agents, and its requeued run a new cluster.
+    if backend == "etcd" and (problem := etcd_missing()):
+        if os.environ.get(ETCD_REQUIRED) == "1":
+            pytest.fail(f"{ETCD_REQUIRED}=1 but {problem}")
+        pytest.skip(problem)
+    env = {**dirs(tmp_path), "ET_RDZV_PORT": str(free_port()), "ET_NPROC": "2", "ET_RDZV_BACKEND": backend}
     job = cluster.submit("jobs/multinode.sbatch", RUN, env, "--nodes=1")
     wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
     subprocess.run(["scancel", "-s", "USR1", "-b", job.id], check=True, timeout=30)
@@ -208,6 +217,16 @@ def test_multinode_sbatch_preempts_requeues_and_resumes(cluster: Cluster, tmp_pa
     assert "requeueing job" in first, first
     assert "Resumed from" in second and "Steps recomputed: 0" in second, second
     assert "Training completed successfully." in second
+    if backend == "etcd":
+        assert first.count("etcd rendezvous on") == 1 and second.count("etcd rendezvous on") == 1, text
+        assert "rendezvous etcd-v2" in first and "rendezvous etcd-v2" in second, text
+        # Each run's member stopped cleanly, at the end or at the requeue (SIGTERM, exit 0): no
+        # failure reported, no etcd left running, no data left behind.
+        assert "etcd ended with no stop asked" not in text and "elastic-train etcd:" not in text, text
+        tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+        assert not list(tmp.glob(f"elastic-train-etcd-{job.id}-*")), "a member's data folder was left behind"
+        left = subprocess.run(["pgrep", "-f", f"elastic-train-etcd-{job.id}-"], capture_output=True, text=True)
+        assert not left.stdout.strip(), f"etcd still running: {left.stdout}"
 
 
 def test_a_cancelled_job_saves_but_is_not_requeued(cluster: Cluster, tmp_path: Path) -> None:

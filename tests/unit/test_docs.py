@@ -86,6 +86,17 @@ COVERED_BY.update(
         ),
     }
 )
+ETCD = "tests/launch/test_etcd_rendezvous.py::test_losing_the_etcd_member_and_a_node_at_once_is_survived_exactly_once"
+COVERED_BY.update(
+    {
+        # README "Elastic, multi-node without Slurm": the test starts three members this way (on
+        # loopback ports) and the agents with ET_RDZV_BACKEND=etcd and every member's endpoint.
+        r"python -m elastic_train\.etcd_member --name h0 --client h0:2379 --peer h0:2380 "
+        r"--cluster h0=h0:2380,h1=h1:2380,h2=h2:2380 --data-dir /tmp/etcd-job1 &": ETCD,
+        r"ET_RDZV_BACKEND=etcd ET_RDZV_ENDPOINT=h0:2379,h1:2379,h2:2379 ET_RDZV_ID=job1 "
+        r"jobs/elastic-agent\.sh --epochs 100": ETCD,
+    }
+)
 GROUPS = "tests/launch/test_quorum_groups.py::"
 COVERED_BY.update(
     {

@@ -1,0 +1,105 @@
+"""An etcd cluster on loopback for tests and benchmarks: every member a
+``python -m elastic_train.etcd_member`` in its own session, on ports free here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_train.etcd_member import BINARY_VAR, INSTALL_HINT
+from elastic_train.testing.processes import ROOT, base_env, free_port, kill_group
+
+REQUIRE_VAR = "ELASTIC_TRAIN_REQUIRE_ETCD"
+
+
+def missing() -> str | None:
+    """Why an etcd rendezvous cannot run here, or None."""
+    if not (os.environ.get(BINARY_VAR) or shutil.which("etcd")):
+        return f"no etcd binary: {INSTALL_HINT}"
+    if importlib.util.find_spec("etcd") is None:
+        return "no python-etcd, the client torch's etcd rendezvous imports: pip install -e '.[dev]'"
+    return None
+
+
+@dataclass
+class EtcdMember:
+    name: str
+    client: str
+    proc: subprocess.Popen[str]
+
+    def kill(self) -> float:
+        """SIGKILL the member (its wrapper and etcd itself, one session), like its host dying."""
+        kill_group(self.proc)
+        self.proc.wait()
+        return time.time()
+
+    def freeze(self) -> float:
+        """SIGSTOP the member's session (wrapper and etcd): a frozen host. Its sockets stay open
+        and nothing answers; the cluster's other members elect a leader without it."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        return time.time()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@contextmanager
+def etcd_cluster(tmp: Path, size: int = 3, token: str = "elastic-train-test") -> Iterator[list[EtcdMember]]:
+    """``size`` members on 127.0.0.1, yielded once every one reports the cluster ready."""
+    ports = [(free_port(), free_port()) for _ in range(size)]
+    cluster = ",".join(f"m{i}=127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    members: list[EtcdMember] = []
+    try:
+        for i, (client, peer) in enumerate(ports):
+            command = [
+                sys.executable,
+                "-m",
+                "elastic_train.etcd_member",
+                "--name",
+                f"m{i}",
+                "--client",
+                f"127.0.0.1:{client}",
+                "--peer",
+                f"127.0.0.1:{peer}",
+                "--cluster",
+                cluster,
+                "--data-dir",
+                str(tmp / f"etcd-m{i}"),
+                "--token",
+                token,
+                "--ready-file",
+                str(tmp / f"etcd-m{i}.ready"),
+            ]
+            with (tmp / f"etcd-m{i}.out").open("w") as out:
+                proc = subprocess.Popen(
+                    command,
+                    env=base_env(),
+                    cwd=ROOT,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            members.append(EtcdMember(f"m{i}", f"127.0.0.1:{client}", proc))
+        deadline = time.monotonic() + 60
+        while not all((tmp / f"etcd-{m.name}.ready").exists() for m in members):
+            dead = [m.name for m in members if not m.alive]
+            assert not dead and time.monotonic() < deadline, f"etcd members not ready (dead: {dead}): " + "".join(
+                (tmp / f"etcd-{m.name}.out").read_text()[-500:] for m in members
+            )
+            time.sleep(0.1)
+        yield members
+    finally:
+        for member in members:
+            if member.alive:
+                member.kill()
