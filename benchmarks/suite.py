@@ -686,11 +686,12 @@ def large_model_notes(g: dict[str, Any]) -> str:
         f"{ref:.0f} s). Its gradient average is one flat allreduce after the backward pass. Measured apart "
         "for 228 MB of gradients between two gloo processes on this machine, it costs ~0.4 s a step: 0.13 s "
         "to concatenate, 0.2 s to allreduce, 0.07 s to copy back. DDP allreduces its buckets while the "
-        "backward pass runs, with no concatenation. The heal (5.8 s, median) moves 685 MB. Measured apart, "
-        "the signed transfer of that much state takes ~2.9 s: 0.9 s to encode, 0.5 s to sign, 1.5 s to "
-        "fetch, verify and decode. The rest was not measured apart: the load into the model and the optimizer, "
-        "and the replacement's start sharing the two cores with the survivor. Both are the work left for "
-        "the 0.5 s and 0.97 targets on large models."
+        "backward pass runs, with no concatenation. The heal moves 685 MB; its transfer alone "
+        "(`benchmarks/heal.py`, medians of 3) takes 0.59 s for the survivor to stage the state (copy and "
+        "sign) and 1.32 s for the healer to fetch, verify and decode it (1.84 s and 1.95 s before the "
+        "transfer's one-copy blob and parallel signature, 2026-12-06). The heal's other time, not measured "
+        "apart, is the load into the model and the optimizer, and the replacement's start sharing the two "
+        "cores with the survivor. Both are the work left for the 0.5 s and 0.97 targets on large models."
     )
 
 
