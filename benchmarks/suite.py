@@ -50,8 +50,9 @@ FULL = {
         LARGE_MODEL,
     ],
 }
+FULL["heal"] = ["--mb", "685", "--repeats", "3"]  # the heal's transfer alone, for goodput-large's state
 # Rendered when their results exist (a section added after the others were last measured).
-OPTIONAL = {"goodput-fsdp", "goodput-large"}
+OPTIONAL = {"goodput-fsdp", "goodput-large", "heal"}
 QUICK = {
     "overhead": ["--repeats", "1", "--epochs", "2", "--steps", "6"],
     "checkpoint": ["--repeats", "1", "--mb", "40", "--saves", "1", "--every", "8"],
@@ -65,6 +66,7 @@ QUICK = {
         "--train-flags",
         LARGE_MODEL + " --max-steps-per-epoch 8",
     ],
+    "heal": ["--mb", "50", "--repeats", "1"],
 }
 
 
@@ -428,7 +430,9 @@ def render(results: dict[str, dict[str, Any]], quick: bool, when: str) -> str:
     if "goodput-fsdp" in results:
         goodput += "\n\n" + goodput_fsdp_section(results["goodput-fsdp"])
     if "goodput-large" in results:
-        goodput += "\n\n" + goodput_large_section(results["goodput-large"])
+        goodput += "\n\n" + goodput_large_section(results["goodput-large"], results.get("heal"))
+    if "heal" in results:
+        goodput += "\n\n" + heal_section(results["heal"])
     return f"""# Benchmarks
 
 Each benchmark is a script that measures elastic-train and its baseline in the same run, on the
@@ -582,7 +586,7 @@ state sharded; each rank writes its own pieces of every checkpoint) beside the r
 {chr(10).join(rows)}"""
 
 
-def goodput_large_section(g: dict[str, Any]) -> str:
+def goodput_large_section(g: dict[str, Any], heal: dict[str, Any] | None) -> str:
     """benchmarks/goodput.py with --train-flags: a model whose heal moves real state (issue 20)."""
     modes = [m for m in ("torchrun", "quorum") if m in g["modes"]]
     r = [g["modes"][m] for m in modes]
@@ -672,27 +676,48 @@ them from the survivor ("heal" in the split).
 {rule}
 {chr(10).join(rows)}
 
-{large_model_notes(g)}"""
+{large_model_notes(g, heal)}"""
 
 
-def large_model_notes(g: dict[str, Any]) -> str:
-    """What the large-model rows mean: where quorum mode's time goes (measured apart, 2026-12-06)."""
+def large_model_notes(g: dict[str, Any], heal: dict[str, Any] | None) -> str:
+    """Where quorum mode's time goes with the large model."""
     modes = g["modes"]
     if "quorum" not in modes or "torchrun" not in modes:
         return ""
     own, ref = modes["quorum"]["fault_free_wall_s"], modes["torchrun"]["fault_free_wall_s"]
-    return (
+    text = (
         f"Without failures quorum mode ran {own / ref - 1:.0%} slower than torchrun here ({own:.0f} s against "
-        f"{ref:.0f} s). Its gradient average is one flat allreduce after the backward pass. Measured apart "
-        "for 228 MB of gradients between two gloo processes on this machine, it costs ~0.4 s a step: 0.13 s "
-        "to concatenate, 0.2 s to allreduce, 0.07 s to copy back. DDP allreduces its buckets while the "
-        "backward pass runs, with no concatenation. The heal moves 685 MB; its transfer alone "
-        "(`benchmarks/heal.py`, medians of 3) takes 0.59 s for the survivor to stage the state (copy and "
-        "sign) and 1.32 s for the healer to fetch, verify and decode it (1.84 s and 1.95 s before the "
-        "transfer's one-copy blob and parallel signature, 2026-12-06). The heal's other time, not measured "
-        "apart, is the load into the model and the optimizer, and the replacement's start sharing the two "
-        "cores with the survivor. Both are the work left for the 0.5 s and 0.97 targets on large models."
+        f"{ref:.0f} s). Its gradient average runs after the backward pass: every gradient concatenated into "
+        "one buffer, one allreduce, the average copied back. DDP allreduces its buckets while the backward "
+        "pass still runs, and concatenates nothing. With 228 MB of gradients a step, that is the likely "
+        "source of the gap; its parts were not timed inside the job."
     )
+    if heal:
+        text += (
+            f" The heal's transfer alone (`benchmarks/heal.py`, {heal['state_mb']} MB, medians of "
+            f"{heal['repeats']}, below) takes {heal['stage_s']:.2f} s for the survivor to stage the state and "
+            f"{heal['fetch_verify_decode_s']:.2f} s for the healer to fetch, verify and decode it. The rest of "
+            "a heal was not timed apart: the load into the model and the optimizer, and the replacement's "
+            "start, which shares the two cores with the survivor."
+        )
+    return text + " Both are the work left for the 0.5 s and 0.97 targets on large models."
+
+
+def heal_section(h: dict[str, Any]) -> str:
+    """benchmarks/heal.py: the signed state transfer alone."""
+    return f"""### The heal's transfer alone: `benchmarks/heal.py`
+
+A {h["state_mb"]} MB state (three tensors, as a model's weights and AdamW's two moments) staged on
+one signed transport and fetched by another over loopback, in one process, medians of {h["repeats"]}.
+The survivor waits while it stages the state. SHA-256 ran at {h["sha256_mb_s"]} MB/s on one core here.
+
+| part | seconds |
+| --- | --- |
+| the survivor: copy the tensors into the blob | {h["encode_s"]:.2f} |
+| the survivor: sign the body (16 MB chunks hashed on a thread pool) | {h["sign_s"]:.2f} |
+| the survivor stages the state (both, as `send_checkpoint` does) | {h["stage_s"]:.2f} |
+| the healer fetches, verifies and decodes it | {h["fetch_verify_decode_s"]:.2f} |
+| **the transfer, both halves** | **{h["heal_transfer_s"]:.2f}** |"""
 
 
 def goodput_section(g: dict[str, Any]) -> str:

@@ -7,9 +7,11 @@ the way out. This writes the same format (an 8-byte little-endian header length,
 ``dtype``, ``shape`` and ``data_offsets``, the raw bytes; ``safetensors.torch.load`` reads it and
 the tests check that both ways) by copying each tensor's bytes once into a preallocated buffer,
 and reads it by copying each tensor's bytes once out of the received buffer into a tensor of its
-own (no tensor shares storage with another: an optimizer that loads them keeps them). Only what
-``pack`` writes is read back: a dtype it does not know, an offset outside the buffer, a size that
-does not match the shape or bytes that no tensor covers raise ``ValueError``.
+own (no tensor shares storage with another: an optimizer that loads them keeps them). Only the
+layout ``pack`` writes is read back: an unknown dtype, a shape or offset that is not a whole
+number, an offset outside the buffer, a size that does not match the shape, a gap, an overlap or
+bytes that no tensor covers raise ``ValueError``. (The transport reads a blob only after its
+signature checked out; these checks keep a bug from becoming a wrong tensor.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 _LENGTH = struct.Struct("<Q")
-# safetensors' names for the dtypes a replica's state holds; anything else takes the library's path.
+# safetensors' names for torch's dtypes: every dtype the format carries.
 CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -33,20 +35,31 @@ CODES: dict[torch.dtype, str] = {
     torch.int32: "I32",
     torch.int16: "I16",
     torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
 }
 DTYPES = {code: dtype for dtype, code in CODES.items()}
 MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 
 
-def packable(tensors: dict[str, torch.Tensor]) -> bool:
-    return all(t.dtype in CODES and t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
-
-
 def pack(tensors: dict[str, torch.Tensor]) -> memoryview:
-    """The safetensors blob of ``tensors`` (CPU, contiguous, dtypes in ``CODES``): a snapshot,
-    taken when this returns. Larger elements first, so every tensor starts aligned to its size."""
+    """The safetensors blob of ``tensors`` (CPU, contiguous): a snapshot, taken when this
+    returns. Larger elements first, so every tensor starts aligned to its size. ``TypeError``
+    names a tensor the format cannot carry."""
+    for name, t in tensors.items():
+        if t.dtype not in CODES or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(
+                f"tensor {name} ({t.dtype}, {t.device.type}, contiguous: {t.is_contiguous()}) cannot go into a "
+                f"safetensors blob: it carries contiguous CPU tensors of {', '.join(map(str, CODES))}"
+            )
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header: dict[str, Any] = {}
     offset = 0
@@ -77,7 +90,7 @@ def unpack(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     base = _LENGTH.size + length
     if length > MAX_HEADER or base > total:
         raise ValueError(f"a tensor blob's header claims {length} bytes; {total - _LENGTH.size} follow")
-    header = json.loads(bytes(blob[_LENGTH.size : base]))
+    header = json.loads(bytes(blob[_LENGTH.size : base]), parse_constant=_no_constant)
     if not isinstance(header, dict):
         raise ValueError("a tensor blob's header is not a JSON object")
     header.pop("__metadata__", None)
@@ -90,7 +103,10 @@ def unpack(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
         dtype, shape, (begin, end) = _entry(name, entry)
         if not 0 <= begin <= end <= total - base or end - begin != math.prod(shape) * _size(dtype):
             raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit {shape} of {dtype} in the blob")
-        tensor = torch.empty(shape, dtype=dtype)
+        try:
+            tensor = torch.empty(shape, dtype=dtype)
+        except RuntimeError as exc:  # a shape whose strides overflow (its size was checked above)
+            raise ValueError(f"tensor {name!r}: shape {shape}: {exc}") from None
         if end > begin:
             tensor.reshape(-1).view(torch.uint8).copy_(data[base + begin : base + end])
         tensors[name] = tensor
@@ -105,22 +121,24 @@ def unpack(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     return tensors
 
 
-class UnknownDtype(ValueError):
-    """A blob holding a dtype ``pack`` never writes: one the safetensors library wrote."""
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"a tensor blob's header holds {name}")
+
+
+def _whole(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 62  # a JSON true is a bool, not an int, here
 
 
 def _entry(name: str, entry: Any) -> tuple[torch.dtype, list[int], tuple[int, int]]:
-    if isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and entry["dtype"] not in DTYPES:
-        raise UnknownDtype(f"tensor {name!r} is {entry['dtype']}")
-    try:
-        dtype = DTYPES[entry["dtype"]]
-        shape = [int(d) for d in entry["shape"]]
-        begin, end = (int(v) for v in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"tensor {name!r}: not a known dtype, shape and offsets ({exc})") from None
-    if any(d < 0 for d in shape):
-        raise ValueError(f"tensor {name!r}: negative dimension in {shape}")
-    return dtype, shape, (begin, end)
+    """An entry exactly as ``pack`` writes it: a known dtype, a list of whole numbers, two offsets."""
+    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+        raise ValueError(f"tensor {name!r}: not a known dtype ({str(entry)[:80]})")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(_whole(d) for d in shape):
+        raise ValueError(f"tensor {name!r}: shape {str(shape)[:80]} is not a list of whole numbers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(v) for v in offsets):
+        raise ValueError(f"tensor {name!r}: data_offsets {str(offsets)[:80]} are not two whole numbers")
+    return DTYPES[entry["dtype"]], shape, (offsets[0], offsets[1])
 
 
 def _size(dtype: torch.dtype) -> int:

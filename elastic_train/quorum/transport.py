@@ -45,20 +45,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from torchft.checkpointing.transport import CheckpointTransport
 
 from elastic_train.quorum import tensor_blob
 
-MAGIC = b"ETSTATE1"  # the body's first bytes: format and version
+MAGIC = b"ETSTATE2"  # the body's first bytes: format and version (2: tensor_blob, chunked signature)
 _LENGTH = struct.Struct("<Q")  # the JSON header's length, after MAGIC
 HEAD_BYTES = len(MAGIC) + _LENGTH.size
 SIGNATURE_HEADER = "X-Elastic-Train-Signature"
 PATH_PREFIX = "/state/"
 Buffer = bytes | bytearray | memoryview  # a body's parts: bytes, a received buffer, a staged blob
-MAX_BODY = 1 << 40  # a Content-Length past this is not preallocated (read as it comes)
 
 
 _SCALARS = (bool, int, float, str)
@@ -75,6 +71,11 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     if value is None or type(value) in _SCALARS:
         return value
     if isinstance(value, torch.Tensor):
+        if value.dtype not in tensor_blob.CODES:
+            raise TypeError(
+                f"state {where} is a {value.dtype} tensor: the heal transfer carries the dtypes safetensors "
+                "does; convert it in the state function you registered"
+            )
         name = f"t{len(tensors)}"
         tensors[name] = _own_storage(value.detach().to("cpu").contiguous(), tensors)
         return {"$tensor": name}
@@ -140,9 +141,7 @@ def encode_parts(state: Any) -> tuple[bytes, Buffer]:
     length and the tree; then the safetensors blob (kept apart: no copy of it is concatenated)."""
     tensors: dict[str, torch.Tensor] = {}
     tree = json.dumps(_encode(state, tensors, "state"), separators=(",", ":")).encode()
-    # One copy per tensor (tensor_blob); a dtype it does not write goes through the library.
-    blob = tensor_blob.pack(tensors) if tensor_blob.packable(tensors) else save_tensors(tensors)
-    return MAGIC + _LENGTH.pack(len(tree)) + tree, blob
+    return MAGIC + _LENGTH.pack(len(tree)) + tree, tensor_blob.pack(tensors)  # one copy per tensor
 
 
 def encode_state(state: Any) -> bytes:
@@ -162,13 +161,10 @@ def decode_parts(tree_json: Buffer, blob: Buffer) -> Any:
     nothing received is ever executed; ``ValueError`` for anything ``encode_parts`` did not write."""
     try:
         tree = json.loads(bytes(tree_json))
-        try:
-            tensors = tensor_blob.unpack(blob)
-        except tensor_blob.UnknownDtype:  # written by the library (encode_parts' other path)
-            tensors = load_tensors(bytes(blob))
+        tensors = tensor_blob.unpack(blob)
         used: set[str] = set()
         state = _decode(tree, tensors, used)
-    except (TypeError, KeyError, IndexError, ValueError, SafetensorError) as exc:  # JSON's errors too
+    except (TypeError, KeyError, IndexError, ValueError, OverflowError) as exc:  # JSON's errors too
         raise ValueError(f"malformed state: {exc}") from None
     if used != set(tensors):
         raise ValueError(f"state carries tensors its tree never names: {sorted(set(tensors) - used)[:5]}")
@@ -203,7 +199,7 @@ def body_signature(secret: bytes, step: int, *body: Buffer) -> str:
     each side, while the healer and the survivor waiting for it do nothing else.
     """
     mac = hmac.new(
-        secret, _LENGTH.pack(5) + b"STATE" + _LENGTH.pack(len(str(step))) + str(step).encode(), hashlib.sha256
+        secret, _LENGTH.pack(6) + b"STATE2" + _LENGTH.pack(len(str(step))) + str(step).encode(), hashlib.sha256
     )
     mac.update(_LENGTH.pack(sum(len(part) for part in body)))
     for digest in chunk_digests(body):  # the parts sign as their concatenation
@@ -219,12 +215,14 @@ def _pool() -> ThreadPoolExecutor:
     """This process's hashing threads. Made on first use in each process: workers are forked
     from a preloaded server (quorum/warm.py), and a pool inherited across a fork has no threads."""
     global _hashers
-    if _hashers is None or _hashers[0] != os.getpid():
-        _hashers = (
-            os.getpid(),
-            ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="state-hash"),
-        )
-    return _hashers[1]
+    with _POOL_LOCK:
+        if _hashers is None or _hashers[0] != os.getpid():
+            threads = max(1, min(8, len(os.sched_getaffinity(0))))  # the CPUs this process may use
+            _hashers = (os.getpid(), ThreadPoolExecutor(max_workers=threads, thread_name_prefix="state-hash"))
+        return _hashers[1]
+
+
+_POOL_LOCK = threading.Lock()
 
 
 def chunk_digests(parts: Sequence[Buffer]) -> list[bytes]:
@@ -314,7 +312,7 @@ class SignedStateTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore
         try:
             with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
                 signature = response.headers.get(SIGNATURE_HEADER, "")
-                parts = _read_parts(response)
+                parts = _read_parts(response, url)
         except urllib.error.HTTPError as exc:
             why = "it does not share this job's secret" if exc.code == 403 else exc.reason
             raise StateTransferError(f"the peer at {url} refused the state transfer ({exc.code}: {why})") from None
@@ -343,10 +341,14 @@ class SignedStateTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore
             threading.Thread(target=stop, daemon=True).start()
 
 
-def _read_parts(response: Any) -> list[Buffer]:
+def _read_parts(response: Any, url: str) -> list[Buffer]:
     """The body as (head, tree, blob) when its head is ours, else as it came: each part read
     into its own buffer (no slice of a large body is copied; the blob straight from the socket
-    into one buffer of the announced length). Nothing here interprets it."""
+    into one buffer of the announced length). Nothing here interprets it.
+
+    The blob's buffer is allocated uninitialised, so its pages are taken only as bytes arrive
+    (a zero-filled one would take all of them at once, for whatever length an unsigned header
+    announced). A body that ends early is refused as truncated."""
     first = response.read(HEAD_BYTES)
     try:
         length = split_head(first)
@@ -354,16 +356,20 @@ def _read_parts(response: Any) -> list[Buffer]:
         return [first + response.read()]
     tree = response.read(length)
     remaining = getattr(response, "length", None)  # http.client: what Content-Length has left
-    if not isinstance(remaining, int) or remaining > MAX_BODY:
+    if not isinstance(remaining, int):
         return [first, tree, response.read()]
-    blob = bytearray(remaining)
-    view, got = memoryview(blob), 0
+    try:
+        buffer = torch.empty(remaining, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as exc:
+        raise StateTransferError(f"the peer at {url} announced a state of {remaining} bytes: {exc}") from None
+    blob = buffer.numpy().data
+    got = 0
     while got < remaining:
-        n = response.readinto(view[got:])
+        n = response.readinto(blob[got:])
         if not n:
-            break
+            raise StateTransferError(f"the state from {url} was truncated: {got} of {remaining} bytes came")
         got += n
-    return [first, tree, blob if got == remaining else blob[:got]]
+    return [first, tree, blob]
 
 
 def _server(bind: str, transport: SignedStateTransport) -> ThreadingHTTPServer:

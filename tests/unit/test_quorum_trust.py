@@ -35,6 +35,7 @@ from elastic_train.quorum.transport import (
     StateTransferError,
     body_signature,
     decode_state,
+    encode_parts,
     encode_state,
 )
 
@@ -239,6 +240,51 @@ def test_even_a_pickle_signed_with_the_job_secret_is_never_unpickled(
     finally:
         receiver.shutdown(), peer.server.shutdown()
     assert not marker.exists()
+
+
+def test_a_state_larger_than_a_signature_chunk_round_trips(job_env: None) -> None:
+    # 40 MB: three of the signature's 16 MB chunks, hashed on the pool on both sides.
+    state = {"user": {"w": torch.randn(10_000_000), "b": torch.ones(3, dtype=torch.bfloat16)}, "torchft": {"step": 7}}
+    sender, receiver = transport(), transport()
+    try:
+        sender.send_checkpoint([1], 7, state, TIMEOUT)
+        got = receiver.recv_checkpoint(0, sender.metadata(), 7, TIMEOUT)
+    finally:
+        sender.shutdown(), receiver.shutdown()
+    assert_identical(state, got)
+
+
+class TruncatingPeer:
+    """Serves a real signed state's head and tree, announces the whole body, sends half the
+    tensors' bytes and closes: a peer dying mid-transfer."""
+
+    def __init__(self, body: tuple[bytes, memoryview], signature: str) -> None:
+        head, blob = body
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.metadata = f"http://127.0.0.1:{self.listener.getsockname()[1]}/state/"
+
+        def serve() -> None:
+            conn, _ = self.listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(
+                    f"HTTP/1.1 200 OK\r\nContent-Length: {len(head) + len(blob)}\r\n"
+                    f"{SIGNATURE_HEADER}: {signature}\r\n\r\n".encode()
+                )
+                conn.sendall(head + bytes(blob[: len(blob) // 2]))
+
+        threading.Thread(target=serve, daemon=True).start()
+
+
+def test_a_transfer_cut_short_is_refused_as_truncated_not_as_a_wrong_secret(job_env: None) -> None:
+    body = encode_parts({"user": {"w": torch.arange(1000.0)}, "torchft": {"step": 4}})
+    peer = TruncatingPeer(body, body_signature(SECRET.encode(), 4, *body))
+    receiver = transport()
+    try:
+        with pytest.raises(StateTransferError, match=r"was truncated: \d+ of \d+ bytes came"):
+            receiver.recv_checkpoint(0, peer.metadata, 4, TIMEOUT)
+    finally:
+        receiver.shutdown(), peer.listener.close()
 
 
 # ------------------------------------------------------------------------ the job's secret
