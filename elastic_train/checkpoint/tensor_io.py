@@ -53,18 +53,22 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[memoryview]]:
+def layout(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], dtype_names: dict[torch.dtype, str] = DTYPE_NAMES
+) -> tuple[bytes, list[memoryview]]:
+    """The safetensors prefix (length and header) and each tensor's bytes, in file order.
+    ``dtype_names``: the dtypes allowed and their safetensors names (the heal's blob takes a few more)."""
     # Wider dtypes first keeps every tensor naturally aligned after the 8-byte aligned header.
     names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     chunks, offset = [], 0
     for name in names:
         t = tensors[name]
-        if t.dtype not in DTYPE_NAMES:
+        if t.dtype not in dtype_names:
             raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
         raw = _raw(t)
         header[name] = {
-            "dtype": DTYPE_NAMES[t.dtype],
+            "dtype": dtype_names[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + raw.nbytes],
         }
@@ -90,7 +94,7 @@ def write_shard(
     before_rename: Callable[[], None] | None = None,
 ) -> FileEntry:
     """Write ``tensors`` as a safetensors file durably (temp, fsync, rename, fsync dir)."""
-    prefix, chunks = _layout(tensors, metadata)
+    prefix, chunks = layout(tensors, metadata)
     with atomic_file(path, before_rename) as out:
         for piece in _pieces(prefix, chunks):
             out.write(piece)

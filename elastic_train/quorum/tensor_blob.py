@@ -24,25 +24,13 @@ from typing import Any
 
 import torch
 
+from elastic_train.checkpoint.tensor_io import DTYPE_NAMES, layout
+
 _LENGTH = struct.Struct("<Q")
-# safetensors' names for torch's dtypes: every dtype the format carries.
+# safetensors' names for torch's dtypes: the checkpoint's, and the few more the format carries.
 CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
+    **DTYPE_NAMES,
     torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2: "F8_E5M2",
     torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
     torch.complex64: "C64",
 }
@@ -60,24 +48,14 @@ def pack(tensors: dict[str, torch.Tensor]) -> memoryview:
                 f"tensor {name} ({t.dtype}, {t.device.type}, contiguous: {t.is_contiguous()}) cannot go into a "
                 f"safetensors blob: it carries contiguous CPU tensors of {', '.join(map(str, CODES))}"
             )
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(len(text) + _LENGTH.size) % 8)  # the data starts 8-aligned, as safetensors pads
-    base = _LENGTH.size + len(text)
-    out = torch.empty(base + offset, dtype=torch.uint8)
-    out[:base].copy_(torch.frombuffer(bytearray(_LENGTH.pack(len(text)) + text), dtype=torch.uint8))
-    for name in order:
-        t = tensors[name]
-        begin, end = header[name]["data_offsets"]
-        if end > begin:
-            out[base + begin : base + end].copy_(t.reshape(-1).view(torch.uint8))
+    prefix, chunks = layout(tensors, {}, CODES)  # the checkpoint writer's layout, into memory
+    out = torch.empty(len(prefix) + sum(c.nbytes for c in chunks), dtype=torch.uint8)
+    out[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    at = len(prefix)
+    for chunk in chunks:
+        if chunk.nbytes:
+            out[at : at + chunk.nbytes].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
+        at += chunk.nbytes
     return out.numpy().data  # the buffer itself, no copy
 
 
@@ -101,7 +79,7 @@ def unpack(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in header.items():
         dtype, shape, (begin, end) = _entry(name, entry)
-        if not 0 <= begin <= end <= total - base or end - begin != math.prod(shape) * _size(dtype):
+        if not 0 <= begin <= end <= total - base or end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit {shape} of {dtype} in the blob")
         try:
             tensor = torch.empty(shape, dtype=dtype)
@@ -139,7 +117,3 @@ def _entry(name: str, entry: Any) -> tuple[torch.dtype, list[int], tuple[int, in
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(v) for v in offsets):
         raise ValueError(f"tensor {name!r}: data_offsets {str(offsets)[:80]} are not two whole numbers")
     return DTYPES[entry["dtype"]], shape, (offsets[0], offsets[1])
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -30,6 +30,18 @@ def missing() -> str | None:
     return None
 
 
+def require_etcd() -> None:
+    """Skip the calling test where etcd cannot run, saying why; fail instead under
+    ELASTIC_TRAIN_REQUIRE_ETCD=1 (set by .ci/run), where a skip would hide a missing install."""
+    import pytest
+
+    problem = missing()
+    if problem:
+        if os.environ.get(REQUIRE_VAR) == "1":
+            pytest.fail(f"{REQUIRE_VAR}=1 but {problem}")
+        pytest.skip(problem)
+
+
 @dataclass
 class EtcdMember:
     name: str

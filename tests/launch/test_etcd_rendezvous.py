@@ -10,14 +10,13 @@ ELASTIC_TRAIN_REQUIRE_ETCD=1 (set by .ci/run): then it fails.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from elastic_train.testing.agents import Agent, all_events, event_time, wait_for
-from elastic_train.testing.etcd import REQUIRE_VAR, etcd_cluster, missing
+from elastic_train.testing.etcd import etcd_cluster, require_etcd
 from tests.impolite import RUN, assert_exactly_once_and_one_lineage, committed, outputs, report
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,11 +26,7 @@ LONG = [*RUN, "--epochs", "3", "--hang-timeout", "60"]
 
 @pytest.fixture(autouse=True)
 def etcd_here() -> None:
-    problem = missing()
-    if problem:
-        if os.environ.get(REQUIRE_VAR) == "1":
-            pytest.fail(f"{REQUIRE_VAR}=1 but {problem}")
-        pytest.skip(problem)
+    require_etcd()
 
 
 def world_sizes_after(base: Path, since: float) -> list[int]:

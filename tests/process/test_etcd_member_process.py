@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.testing.etcd import REQUIRE_VAR, missing
+from elastic_train.testing.etcd import require_etcd
 from elastic_train.testing.processes import ROOT, base_env, free_port, kill_group
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,11 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(autouse=True)
 def etcd_here() -> None:
-    problem = missing()
-    if problem:
-        if os.environ.get(REQUIRE_VAR) == "1":
-            pytest.fail(f"{REQUIRE_VAR}=1 but {problem}")
-        pytest.skip(problem)
+    require_etcd()
 
 
 @contextmanager

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.outcome import PREEMPTED_MARKER, ExitCode
-from elastic_train.testing.etcd import REQUIRE_VAR as ETCD_REQUIRED
-from elastic_train.testing.etcd import missing as etcd_missing
+from elastic_train.testing.etcd import require_etcd
 from tests.helpers import (
     ROOT,
     TOKEN_VAR,
@@ -201,10 +200,8 @@ def test_multinode_sbatch_preempts_requeues_and_resumes(cluster: Cluster, tmp_pa
     # many (two agents losing and regaining a node are in tests/launch/test_elastic.py; an etcd
     # member lost with a node in tests/launch/test_etcd_rendezvous.py). With etcd the job starts a
     # member per node (one here) beside the agents, and its requeued run a new cluster.
-    if backend == "etcd" and (problem := etcd_missing()):
-        if os.environ.get(ETCD_REQUIRED) == "1":
-            pytest.fail(f"{ETCD_REQUIRED}=1 but {problem}")
-        pytest.skip(problem)
+    if backend == "etcd":
+        require_etcd()
     env = {**dirs(tmp_path), "ET_RDZV_PORT": str(free_port()), "ET_NPROC": "2", "ET_RDZV_BACKEND": backend}
     job = cluster.submit("jobs/multinode.sbatch", RUN, env, "--nodes=1")
     wait_for_checkpoint(job, tmp_path / "logs", timeout=150)
