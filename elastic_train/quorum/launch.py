@@ -22,6 +22,11 @@ and the imports (``elastic_train.launch`` does the same for torchrun).
   bound to loopback on one node, else to this host's advertised address), and every other node
   must be given its URL (``jobs/`` passes node 0's address). A port another process listens on
   is refused (exit 2), and the Lighthouse dies with this agent (``quorum.lighthouse``).
+* ``--lighthouse-etcd HOST:PORT,...``: no node owns the Lighthouse. Every agent is a candidate
+  for its seat, a lease in the job's etcd (``quorum.seat``; the members of
+  ``python -m elastic_train.etcd_member``); the holder runs it on ``--lighthouse-port``, and
+  when its node dies or freezes another agent takes the seat after ``--lighthouse-ttl`` seconds
+  and runs it there. Workers reach it through a relay on this agent (``quorum.forward``).
 * The job's identity: every worker gets the job id (``--run-id``, else Slurm's, else a new one)
   in ``ELASTIC_TRAIN_QUORUM_JOB`` and the job's secret in ``ELASTIC_TRAIN_QUORUM_SECRET`` (minted
   here on one node; several nodes need one value for every agent, from the environment). A
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -58,10 +64,16 @@ from types import FrameType
 from typing import Any
 
 from elastic_train.errors import UsageError
+from elastic_train.etcd_member import EtcdError
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum import identity
-from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken
+from elastic_train.quorum.forward import Forwarder
+from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken, _check_port_free
 from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, JOB_VAR, LAUNCHER_THREADS_VAR, SECRET_VAR, WARM_ARGV_VAR
+from elastic_train.quorum.seat import Seat, SeatConfig
+
+ETCD_VAR = "ELASTIC_TRAIN_LIGHTHOUSE_ETCD"
+SEAT_WAIT_S = 60.0  # for a first Lighthouse at start: the etcd members' start included
 
 # Imported by the forkserver once; a forked worker finds them in memory.
 # The last one opens the task's data (``warm``): a restarted worker need not.
@@ -185,8 +197,23 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         default=None,
         help="where node 0 starts one if --lighthouse is unset (default: a free port on one node, 29510 on several)",
     )
+    p.add_argument(
+        "--lighthouse-etcd",
+        default=os.environ.get(ETCD_VAR),
+        help="etcd members HOST:PORT,...: the Lighthouse runs on whichever node holds its seat there",
+    )
+    p.add_argument(
+        "--lighthouse-ttl",
+        type=int,
+        default=SeatConfig.ttl_s,
+        help="seconds before another node takes a lost Lighthouse's seat (keep under 0.45 x --hang-timeout)",
+    )
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", default=None, help="the job's id (default: Slurm's, or new)")
     args = p.parse_args(ours)
+    if args.lighthouse_etcd and args.lighthouse:
+        p.error("--lighthouse and --lighthouse-etcd exclude each other: a given Lighthouse, or one whose seat moves")
+    if args.lighthouse_etcd and args.run_id is None and not os.environ.get("SLURM_JOB_ID"):
+        p.error("--lighthouse-etcd needs one --run-id for every node's agent: the seat's key is the job's")
     if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         p.error(f"--nproc-per-node {args.nproc_per_node}, --nnodes {args.nnodes}, --node-rank {args.node_rank}: bad")
     if args.procs_per_replica < 1:
@@ -198,20 +225,66 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
             f"--nnodes > 1 needs {SECRET_VAR}: one random value (16+ characters) for every node's agent, "
             f"e.g. export {SECRET_VAR}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
         )
-    if args.lighthouse is None and args.node_rank != 0:
+    if args.lighthouse is None and args.lighthouse_etcd is None and args.node_rank != 0:
         p.error("only node 0 starts the Lighthouse: pass --lighthouse http://<node 0>:<port> on the others")
     return args, trainer
 
 
+def job_id(args: argparse.Namespace) -> str:
+    return str(args.run_id or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12])
+
+
+@dataclass
+class SeatedLighthouse:
+    """The Lighthouse whose seat moves (``--lighthouse-etcd``): this agent runs ``server`` while
+    ``seat`` says so, and its workers reach whoever holds the seat through ``relay``."""
+
+    seat: Seat
+    server: Lighthouse
+    relay: Forwarder
+
+    def supervise(self, stopping: bool) -> None:
+        """The fence first: a Lighthouse whose seat ran out is killed before anything else."""
+        mine, running = self.seat.mine(), self.server.running()
+        if running and not mine:
+            self.server.kill()
+            print("[quorum-agent] this agent lost the Lighthouse seat: its Lighthouse is stopped", flush=True)
+        elif mine and not running and not stopping:
+            try:
+                self.server.start()
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                print(f"[quorum-agent] cannot run the Lighthouse here ({exc}): the seat is left to another", flush=True)
+                self.seat.abdicate()
+            else:
+                print(
+                    f"[quorum-agent] Lighthouse at {self.seat.config.address} (pid {self.server.pid}), "
+                    f"bound to {self.server.host}, holding its seat",
+                    flush=True,
+                )
+        holder = self.seat.holder()
+        self.relay.retarget(holder.address if holder is not None else None)
+
+    def close(self) -> None:
+        self.seat.stop(release=True)  # the others take the seat at their next read, not after the TTL
+        self.server.stop()
+        self.relay.close()
+
+
 class Agent:
     def __init__(
-        self, args: argparse.Namespace, trainer_argv: list[str], lighthouse: str, server: Lighthouse | None = None
+        self,
+        args: argparse.Namespace,
+        trainer_argv: list[str],
+        lighthouse: str,
+        server: Lighthouse | None = None,
+        seated: SeatedLighthouse | None = None,
     ) -> None:
         self.args = args
         self.server = server  # the Lighthouse this agent runs (node 0 without --lighthouse), supervised
+        self.seated = seated  # or the one whose seat moves between the agents
         self.trainer_argv = ["--ft", "quorum", *trainer_argv]
         self.lighthouse = lighthouse
-        self.run_id = args.run_id or os.environ.get("SLURM_JOB_ID") or uuid.uuid4().hex[:12]
+        self.run_id = job_id(args)
         # Signs the state transfer between this job's replicas; minted per launch on one node.
         self.secret = os.environ.get(SECRET_VAR) or secrets.token_hex(16)
         first = args.node_rank * args.nproc_per_node
@@ -304,6 +377,8 @@ class Agent:
         os.environ.setdefault("RUST_LOG", "warn")
         os.environ[WARM_ARGV_VAR] = json.dumps(self.trainer_argv)  # read by the forkserver's preload
         multiprocessing.set_forkserver_preload(PRELOAD)
+        if not self.await_lighthouse():
+            return 1 if self.stopping is None else 128 + self.stopping  # no worker ever started
         for slot in self.slots:
             self.start(slot)
         live = list(self.slots)
@@ -336,10 +411,35 @@ class Agent:
             slot.store = None  # the groups' stores close with the job
         return self.outcome()
 
+    def await_lighthouse(self) -> bool:
+        """With a seat in etcd, workers start once some agent's Lighthouse holds it: a Manager
+        that finds none at its first quorum would wait out its quorum timeout."""
+        if self.seated is None:
+            return True
+        deadline = time.monotonic() + SEAT_WAIT_S
+        while self.seated.seat.holder() is None:
+            self.seated.supervise(stopping=self.stopping is not None)
+            if self.stopping is not None:
+                return False
+            if time.monotonic() > deadline:
+                print(
+                    f"[quorum-agent] no Lighthouse holds its seat in etcd ({self.args.lighthouse_etcd}) after "
+                    f"{SEAT_WAIT_S:.0f} s: start the etcd members (python -m elastic_train.etcd_member) and "
+                    "check that a majority of them runs",
+                    flush=True,
+                )
+                return False
+            time.sleep(POLL_S)
+        self.seated.supervise(stopping=False)
+        return True
+
     def supervise_lighthouse(self) -> None:
         """A Lighthouse that died is started again on its port: it keeps no state worth keeping
         (the next quorum is formed from the replicas' heartbeats), and without it no replica
         gets past its next step (they exit after the quorum timeout)."""
+        if self.seated is not None:
+            self.seated.supervise(stopping=self.stopping is not None)
+            return
         server = self.server
         if server is None or server.proc is None or server.proc.poll() is None or self.stopping is not None:
             return
@@ -374,8 +474,8 @@ def _host_address() -> str:
     return os.environ.get(HOST_VAR) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def start_lighthouse(args: argparse.Namespace) -> tuple[Lighthouse, str]:
-    """Node 0's Lighthouse, bound to the job's interface, and the URL replicas reach it at.
+def lighthouse_here(args: argparse.Namespace, **kwargs: Any) -> tuple[Lighthouse, str]:
+    """A Lighthouse (not started) bound to the job's interface, and the URL replicas reach it at.
     Every quorum change waits for it: its heartbeat timeout is what a dead worker costs the
     survivors (LighthouseConfig)."""
     log = Path(os.environ.get("ELASTIC_TRAIN_LIGHTHOUSE_LOG", os.devnull))
@@ -389,29 +489,53 @@ def start_lighthouse(args: argparse.Namespace) -> tuple[Lighthouse, str]:
             flush=True,
         )
     lighthouse = Lighthouse(
-        LighthouseConfig(), host=bind, port=args.lighthouse_port or (None if single else 29510), log=log
+        LighthouseConfig(), host=bind, port=args.lighthouse_port or (None if single else 29510), log=log, **kwargs
     )
+    return lighthouse, f"http://{advertised}:{lighthouse.port}"
+
+
+def start_lighthouse(args: argparse.Namespace) -> tuple[Lighthouse, str]:
+    """Node 0's Lighthouse for the job's lifetime."""
+    lighthouse, address = lighthouse_here(args)
     lighthouse.start()
-    address = f"http://{advertised}:{lighthouse.port}"
-    print(f"[quorum-agent] Lighthouse at {address} (pid {lighthouse.pid}), bound to {bind}", flush=True)
+    print(f"[quorum-agent] Lighthouse at {address} (pid {lighthouse.pid}), bound to {lighthouse.host}", flush=True)
     return lighthouse, address
+
+
+def seated_lighthouse(args: argparse.Namespace) -> SeatedLighthouse:
+    """A candidate for the Lighthouse's seat (``--lighthouse-etcd``). Its port is checked now:
+    a port taken here is bad input at start, not a seat given up later."""
+    config = SeatConfig(tuple(filter(None, args.lighthouse_etcd.split(","))), job_id(args), "", args.lighthouse_ttl)
+    # The Lighthouse must start well inside the lease that lets it serve.
+    server, address = lighthouse_here(args, start_timeout_s=float(config.ttl_s - config.margin_s))
+    _check_port_free(server.host, server.port)
+    config = dataclasses.replace(config, address=address)
+    seat = Seat(config)
+    seat.start()
+    return SeatedLighthouse(seat, server, Forwarder())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, trainer = parse(sys.argv[1:] if argv is None else argv)
     lighthouse: Lighthouse | None = None
+    seated: SeatedLighthouse | None = None
     address = args.lighthouse
-    if address is None:
-        try:
-            lighthouse, address = start_lighthouse(args)
-        except (LighthousePortTaken, UsageError) as exc:
-            print(f"elastic_train.quorum.launch: error: {exc}", file=sys.stderr, flush=True)
-            return int(ExitCode.USAGE)
     try:
-        return Agent(args, trainer, address, lighthouse).run()
+        if args.lighthouse_etcd:
+            seated = seated_lighthouse(args)
+            address = seated.relay.address
+        elif address is None:
+            lighthouse, address = start_lighthouse(args)
+    except (LighthousePortTaken, UsageError, EtcdError, ValueError) as exc:
+        print(f"elastic_train.quorum.launch: error: {exc}", file=sys.stderr, flush=True)
+        return int(ExitCode.USAGE)
+    try:
+        return Agent(args, trainer, address, lighthouse, seated).run()
     finally:
         if lighthouse is not None:
             lighthouse.stop()
+        if seated is not None:
+            seated.close()
         from elastic_train.launch import _stop_helpers
 
         _stop_helpers()

@@ -243,6 +243,16 @@ class Lighthouse:
                 raise TimeoutError(f"torchft_lighthouse not listening on {self.address} after {self.start_timeout_s}s")
             time.sleep(0.1)
 
+    def kill(self) -> None:
+        """SIGKILL, now: a Lighthouse whose seat is lost must not answer one more request."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 5 s; always waits for it."""
         if self.proc is None:

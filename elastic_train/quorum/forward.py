@@ -1,0 +1,139 @@
+"""A loopback port that relays every connection to the Lighthouse of the moment.
+
+torchft's Manager is given one Lighthouse address for its life. With the Lighthouse's seat in
+etcd (``quorum.seat``) the Lighthouse may move to another node; the agent gives its workers this
+relay's address instead and points it at the seat's holder. ``retarget`` to a new address closes
+every relayed connection (the old Lighthouse is gone or fenced), and the Manager's next request
+connects anew, to the new one. With no Lighthouse known, a connection is closed at once: the
+Manager's quorum retries (every 0.25 s) find the next one.
+
+Bytes are relayed as they come; nothing is parsed (gRPC over HTTP/2 passes through unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from urllib.parse import urlsplit
+
+CHUNK = 1 << 16
+CONNECT_TIMEOUT_S = 1.0  # to the Lighthouse; a frozen one fails the request, which is retried
+
+
+def _endpoint(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    if not parts.hostname or not parts.port:
+        raise ValueError(f"Lighthouse address {url!r} is not http://HOST:PORT")
+    return parts.hostname, parts.port
+
+
+class Forwarder:
+    """``with Forwarder() as relay:`` workers use ``relay.address``; ``relay.retarget(url)``."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, 0))
+        self._listener.listen(128)
+        self.host = host
+        self.port = int(self._listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._target: str | None = None
+        self._open: set[socket.socket] = set()  # every relayed socket, both sides
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="lighthouse-relay", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def target(self) -> str | None:
+        with self._lock:
+            return self._target
+
+    def retarget(self, url: str | None) -> None:
+        """Relay new connections to ``url`` (None: refuse them); close the ones to another."""
+        if url is not None:
+            _endpoint(url)
+        with self._lock:
+            if url == self._target:
+                return
+            self._target = url
+            stale, self._open = self._open, set()
+        for sock in stale:
+            _shut(sock)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            stale, self._open = self._open, set()
+        _shut(self._listener)
+        self._listener.close()
+        for sock in stale:
+            _shut(sock)
+
+    def __enter__(self) -> Forwarder:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._relay, args=(conn,), name="lighthouse-relay-conn", daemon=True).start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        target = self.target
+        if target is None:
+            conn.close()
+            return
+        try:
+            upstream = socket.create_connection(_endpoint(target), timeout=CONNECT_TIMEOUT_S)
+        except OSError:
+            conn.close()
+            return
+        upstream.settimeout(None)
+        for sock in (conn, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            if self._closed or self._target != target:  # moved while connecting
+                stale = True
+            else:
+                stale = False
+                self._open.update((conn, upstream))
+        if stale:
+            conn.close()
+            upstream.close()
+            return
+        back = threading.Thread(target=self._pump, args=(upstream, conn), name="lighthouse-relay-back", daemon=True)
+        back.start()
+        self._pump(conn, upstream)
+        back.join()
+        with self._lock:
+            self._open.discard(conn)
+            self._open.discard(upstream)
+        conn.close()
+        upstream.close()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(CHUNK):
+                dst.sendall(data)
+        except OSError:
+            pass
+        # Either side's end ends both: a half-open relay would leave the Manager waiting.
+        _shut(src)
+        _shut(dst)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,261 @@
+"""The Lighthouse's seat: which agent runs the job's Lighthouse, decided by a lease in etcd, so
+that quorum mode survives the loss or freeze of the node the Lighthouse runs on.
+
+    python -m elastic_train.quorum.launch --lighthouse-etcd h0:2379,h1:2379,h2:2379 ...
+
+Every agent runs a ``Seat``. One of them holds the key ``/elastic-train/<job>/lighthouse``
+(created with ``prevExist=false`` and a TTL, refreshed every ``refresh_s``) and runs the
+Lighthouse; the others read the key and learn where it serves. When the holder's node dies or
+freezes, the key expires after ``ttl_s`` and the first agent to create it again starts its own
+Lighthouse. The replicas never see the move: each agent hands its workers a loopback
+``Forwarder`` as their Lighthouse and points it at the key's holder; a move closes the relayed
+connections, and torchft's Manager reconnects (its quorum retries) to the new one.
+
+The fence: a holder counts its lease from the moment it SENT the request that created or
+refreshed it (the key cannot expire earlier than ``ttl_s`` after that) and stops its Lighthouse
+(SIGKILL) ``margin_s`` before that deadline unless a later refresh succeeded. etcd deletes the
+key only once the TTL has run out, so the old holder's Lighthouse is dead before anyone can
+create the key again: two Lighthouses never serve at once, a frozen holder included (when it
+thaws, the agent's first look at the clock kills its Lighthouse). Clocks are ``CLOCK_BOOTTIME``
+(it counts while a process is stopped or the host suspended); the assumption is the usual one of
+leases, that no clock runs ``margin_s`` per ``ttl_s`` slower than etcd's.
+
+What this does not give (docs/fault-tolerance.md, "The coordinator"): a quorum formed by the old
+Lighthouse just before its fence still finishes its step, and a side cut off from etcd and from
+the other replicas commits steps until its fence, steps the other side then trains again on its
+own line. Those lines meet only through the position check (lineages differ: never averaged).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_train.etcd_member import EtcdError, split_endpoint
+
+KEY = "/elastic-train/{job}/lighthouse"
+
+
+def now() -> float:
+    """The fence's clock: it keeps counting while this process is stopped (SIGSTOP, suspend)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+@dataclass(frozen=True)
+class SeatConfig:
+    """Where the lease lives and how long it lasts."""
+
+    endpoints: tuple[str, ...]  # etcd members, HOST:PORT
+    job: str  # the job's id: one key per job, so two jobs never share a Lighthouse
+    address: str  # http://host:port, where this agent's Lighthouse serves when it holds the seat
+    # How long a holder that stopped refreshing keeps the seat: what losing the Lighthouse's node
+    # costs the replicas (plus up to a second: etcd's expiry tick, a read, the Lighthouse's start).
+    # It must stay under the replicas' quorum timeout (0.45 x --hang-timeout), or they restart.
+    ttl_s: int = 5
+    refresh_s: float = 0.5  # how often the holder refreshes and the others read
+    margin_s: float = 1.0  # the holder's Lighthouse stops this long before its lease could end
+    read_timeout_s: float = 1.0  # an etcd request to a member that does not answer
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise EtcdError("--lighthouse-etcd is empty: give every etcd member as HOST:PORT, comma-separated")
+        for endpoint in self.endpoints:
+            split_endpoint(endpoint, "--lighthouse-etcd endpoint")
+        if not self.job or "/" in self.job:
+            raise ValueError(f"job id {self.job!r} must be non-empty and free of '/'")
+        if self.ttl_s < 2:
+            raise ValueError(f"ttl_s must be at least 2 s (etcd counts whole seconds), got {self.ttl_s}")
+        if not 0 < self.margin_s < self.ttl_s:
+            raise ValueError(f"margin_s must be inside (0, ttl_s={self.ttl_s}), got {self.margin_s}")
+        # A refresh that waits out a silent member must still end before the holder's own fence.
+        if not 0 < self.refresh_s + self.read_timeout_s <= self.ttl_s - self.margin_s:
+            raise ValueError(
+                f"refresh_s {self.refresh_s} plus read_timeout_s {self.read_timeout_s} must fit in "
+                f"ttl_s - margin_s = {self.ttl_s - self.margin_s:g}: raise the TTL"
+            )
+
+    @property
+    def key(self) -> str:
+        return KEY.format(job=self.job)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The agent whose Lighthouse serves, as the key says."""
+
+    address: str
+    agent: str  # the holder's nonce: an agent restarted on the same host is another holder
+    term: int  # etcd's createdIndex of the key: grows with every new holder
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    """What an etcd request may raise when a member is down or slow: python-etcd's own errors,
+    and urllib3's and the socket's that it lets through."""
+    import etcd
+    import urllib3
+
+    return (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)
+
+
+def _client(config: SeatConfig) -> Any:
+    import etcd  # python-etcd: the client torch's etcd rendezvous uses too ('elastic-train[etcd]')
+
+    hosts = tuple(split_endpoint(e, "--lighthouse-etcd endpoint") for e in config.endpoints)
+    return etcd.Client(
+        host=hosts if len(hosts) > 1 else hosts[0][0],
+        port=hosts[0][1],
+        allow_reconnect=len(hosts) > 1,
+        read_timeout=config.read_timeout_s,
+    )
+
+
+class Seat:
+    """One agent's view of the seat, kept current by a thread. ``mine()`` and ``holder()`` are
+    what the agent's main loop acts on (it starts and kills the Lighthouse itself: a Lighthouse
+    dies with the thread that started it, ``quorum.lighthouse``)."""
+
+    def __init__(self, config: SeatConfig, client: Any = None) -> None:
+        self.config = config
+        self.nonce = uuid.uuid4().hex
+        self.value = json.dumps({"address": config.address, "agent": self.nonce})
+        self._client = client if client is not None else _client(config)
+        self._lock = threading.Lock()
+        self._mine_until = 0.0  # while now() is below it, this agent's Lighthouse may serve
+        self._term = 0  # the term this agent holds (when it does)
+        self._holder: Holder | None = None
+        self._holder_until = 0.0  # while now() is below it, ``_holder`` is known to hold the key
+        self._quiet_until = 0.0  # the last etcd error was reported; the next is not before this
+        self._candidate = True  # False once this agent cannot run a Lighthouse: it only reads
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lighthouse-seat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def mine(self) -> bool:
+        with self._lock:
+            return now() < self._mine_until
+
+    def holder(self) -> Holder | None:
+        """The Lighthouse to talk to: this agent's own while it holds the seat, else the one the
+        key named at the last read, while that read says its lease runs. None: nobody is known
+        to hold it now (no Lighthouse to relay to)."""
+        with self._lock:
+            t = now()
+            if t < self._mine_until:
+                return Holder(self.config.address, self.nonce, self._term)
+            return self._holder if t < self._holder_until else None
+
+    def stop(self, release: bool = True) -> None:
+        """Stop refreshing; ``release`` deletes the key when this agent holds it, so the next
+        holder need not wait for the TTL (a clean end; a crash releases nothing)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.config.read_timeout_s * 3 + self.config.refresh_s)
+        if release and self.mine():
+            with self._lock:
+                self._mine_until = 0.0
+            self._quietly(lambda: self._client.delete(self.config.key, prevValue=self.value))
+
+    def abdicate(self) -> None:
+        """This agent cannot run a Lighthouse (its port is taken, the binary fails): give the
+        seat up now and never take it again; another agent's Lighthouse serves this one too."""
+        with self._lock:
+            self._candidate = False
+            held, self._mine_until = self._mine_locked(), 0.0
+        if held:
+            self._quietly(lambda: self._client.delete(self.config.key, prevValue=self.value))
+
+    def _mine_locked(self) -> bool:
+        return now() < self._mine_until
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.tick()
+            self._stop.wait(self.config.refresh_s)
+
+    def tick(self) -> None:
+        """One round: refresh the seat if held, else try to take it, else read who has it."""
+        import etcd
+
+        ttl = self.config.ttl_s
+        sent = now()
+        if self.mine():
+            try:
+                self._client.refresh(self.config.key, ttl=ttl, prevValue=self.value)
+            except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
+                with self._lock:  # expired, or taken by another: the main loop kills the Lighthouse
+                    self._mine_until = 0.0
+                self._say("lost the Lighthouse seat (the lease expired before a refresh reached etcd)")
+                return
+            except _errors() as exc:
+                self._report(exc)
+                return
+            with self._lock:
+                self._mine_until = sent + ttl - self.config.margin_s
+            return
+        if not self._candidate:
+            self._read(sent)
+            return
+        try:
+            made = self._client.write(self.config.key, self.value, ttl=ttl, prevExist=False)
+        except etcd.EtcdAlreadyExist:
+            self._read(sent)
+            return
+        except _errors() as exc:
+            self._report(exc)
+            return
+        with self._lock:
+            taken = self._candidate  # not when it abdicated while the create was on its way
+            if taken:
+                self._mine_until = sent + ttl - self.config.margin_s
+                self._term = int(made.createdIndex)
+        if not taken:
+            self._quietly(lambda: self._client.delete(self.config.key, prevValue=self.value))
+            return
+        self._say(f"took the Lighthouse seat (term {made.createdIndex})")
+
+    def _read(self, sent: float) -> None:
+        import etcd
+
+        try:
+            # A quorum read: a member cut off from the others would answer with what it last knew.
+            found = self._client.read(self.config.key, quorum=True)
+        except etcd.EtcdKeyNotFound:
+            return  # it expired between the create and the read: the next round creates it
+        except _errors() as exc:
+            self._report(exc)
+            return
+        try:
+            fields = json.loads(found.value)
+            holder = Holder(str(fields["address"]), str(fields["agent"]), int(found.createdIndex))
+        except (TypeError, ValueError, KeyError) as exc:
+            self._say(f"the Lighthouse seat's key holds {found.value!r}, not an agent's record ({exc}); ignored")
+            return
+        # etcd reports the TTL left rounded up to whole seconds: at least ttl - 1 s were left
+        # when the member answered, which was after ``sent``.
+        left = max(0.0, float(found.ttl or 0) - 1.0)
+        with self._lock:
+            self._holder = holder
+            self._holder_until = sent + left
+
+    def _report(self, exc: BaseException) -> None:
+        # A member down is routine (the others answer); say so once in a while, not each round.
+        if now() >= self._quiet_until:
+            self._quiet_until = now() + 10.0
+            self._say(f"etcd at {','.join(self.config.endpoints)} did not answer: {type(exc).__name__}: {exc}")
+
+    def _quietly(self, request: Any) -> None:
+        try:
+            request()
+        except _errors() as exc:  # a release is a courtesy: the TTL ends it anyway
+            self._report(exc)
+
+    @staticmethod
+    def _say(message: str) -> None:
+        print(f"[quorum-agent] {message}", file=sys.stdout, flush=True)

@@ -1,0 +1,131 @@
+"""Quorum mode survives the loss or freeze of the node its Lighthouse runs on
+(``--lighthouse-etcd``: the Lighthouse's seat is a lease in a three-member etcd).
+
+Two agents ("nodes") of one replica each on loopback. Node 0 holds the seat and runs the
+Lighthouse; mid-epoch at world 2 its whole node is SIGKILLed, or frozen (SIGSTOP of the agent,
+its worker and its Lighthouse). Node 1 must take the seat, start a Lighthouse of its own and
+train on without a restart of its worker; every epoch's samples exactly once. A frozen node 0,
+thawed while node 1 trains, must find its seat lost and kill its Lighthouse (the fence), and its
+replica comes back by healing through node 1's Lighthouse. The control: the same kill with a
+Lighthouse that does not move (``--lighthouse-port`` on node 0) ends node 1's training, as
+docs/fault-tolerance.md says. Needs etcd (skips without it, unless ELASTIC_TRAIN_REQUIRE_ETCD=1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic_train.testing.etcd import EtcdMember, etcd_cluster, require_etcd
+from tests.helpers import free_port
+from tests.launch.test_quorum_trainer import STEPS, Job, assert_exactly_once, events
+from tests.launch.test_quorum_trainer import job as job
+
+pytestmark = pytest.mark.timeout(300)
+TTL = 3
+# Long enough (~0.1 s a step here) for the seat to move (TTL + ~1.5 s) and a thawed node to heal back in.
+EPOCHS = 6
+LONGER = ("--epochs", str(EPOCHS))
+SEAT = re.compile(r"Lighthouse at \S+ \(pid (\d+)\), bound to \S+, holding its seat")
+
+
+@pytest.fixture
+def members(tmp_path: Path) -> Iterator[list[EtcdMember]]:
+    require_etcd()
+    (tmp_path / "etcd-cluster").mkdir()
+    with etcd_cluster(tmp_path / "etcd-cluster") as cluster:
+        yield cluster
+
+
+def seated_pids(text: str) -> list[int]:
+    return [int(pid) for pid in SEAT.findall(text)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "freeze"])
+def test_the_lighthouses_node_lost_or_frozen_the_other_node_takes_its_seat_and_trains_on(
+    job: Job, members: list[EtcdMember], fault: str
+) -> None:
+    endpoints = ",".join(m.client for m in members)
+    ports = [free_port(), free_port()]
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"seat-{ports[0]}"]
+    seat = ["--lighthouse-etcd", endpoints, "--lighthouse-ttl", str(TTL)]
+    node0 = job.start(
+        *common, *seat, "--node-rank", "0", "--lighthouse-port", str(ports[0]), name="node0", flags=LONGER
+    )
+    job.until("node 0 holding the seat and training", lambda: job.committed_steps(0) >= 3)
+    assert seated_pids(node0.out.read_text()), job.output()
+    node1 = job.start(
+        *common, *seat, "--node-rank", "1", "--lighthouse-port", str(ports[1]), name="node1", flags=LONGER
+    )
+    job.until("node 1 healed into the quorum", lambda: bool(events(job, 1, "healed")))
+    joined = events(job, 1, "healed")[0]
+    target = joined["to_step"] + 5
+    if not 5 <= target % STEPS <= STEPS - 10:
+        target = (target // STEPS + 1) * STEPS + 5
+    assert target < (EPOCHS - 3) * STEPS, f"node 1 joined too late: {joined}"
+    job.until("progress at world 2", lambda: job.committed_steps(1) >= target)
+    (lighthouse0,) = seated_pids(node0.out.read_text())
+    worker1 = node1.pid(1)
+    hit = time.time()
+    if fault == "sigkill":
+        os.killpg(node0.proc.pid, signal.SIGKILL)  # agent, forkserver, worker; the Lighthouse dies with its agent
+    else:
+        os.killpg(node0.proc.pid, signal.SIGSTOP)
+        os.kill(lighthouse0, signal.SIGSTOP)  # in a session of its own: a frozen host freezes it too
+    job.until("node 1 holding the seat", lambda: bool(seated_pids(node1.out.read_text())), timeout=TTL + 15)
+    job.until(
+        "node 1 committing alone",
+        lambda: any(e["world"] == 1 for e in events(job, 1, "quorum_changed", hit)),
+        timeout=60,
+    )
+    alone = next(e for e in events(job, 1, "quorum_changed", hit) if e["world"] == 1)
+    print(f"\n{fault}: node 1's first commit alone {alone['seconds_since_commit']:.2f} s after its last at world 2")
+    job.until("node 1 training on", lambda: job.committed_steps(1) >= alone["step"] + 3)
+    assert node1.pid(1) == worker1, "node 1's worker was restarted: the survivor must train on"
+    if fault == "freeze":
+        # The thaw: node 0's first look at the clock kills its Lighthouse; its replica, far behind,
+        # rejoins through node 1's. (That rejoin may cost one worker restart, of either replica:
+        # docs/fault-tolerance.md, "A frozen node that thaws".)
+        thawed = time.monotonic()
+        os.kill(lighthouse0, signal.SIGCONT)
+        os.killpg(node0.proc.pid, signal.SIGCONT)
+        job.until("node 0 fencing its Lighthouse", lambda: not alive(lighthouse0), timeout=10)
+        print(f"freeze: node 0's Lighthouse killed {time.monotonic() - thawed:.2f} s after the thaw")
+        assert "lost the Lighthouse seat" in node0.out.read_text(), job.output()
+        job.until("node 0's replica healing back in", lambda: bool(events(job, 0, "healed", hit)), timeout=90)
+        assert job.wait(node0) == 0, job.output()
+    assert job.wait(node1) == 0, job.output()
+    assert_exactly_once(job.base, epochs=EPOCHS)
+
+
+def test_without_a_seat_the_lighthouses_node_lost_ends_the_training(job: Job) -> None:
+    """The control: node 0's own Lighthouse (no etcd) dies with node 0; node 1 cannot go on."""
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"noseat-{port}", "--max-restarts", "0"]
+    node0 = job.start(*common, "--node-rank", "0", "--lighthouse-port", str(port), name="node0")
+    job.until("node 0 training", lambda: job.committed_steps(0) >= 3)
+    node1 = job.start(*common, "--node-rank", "1", "--lighthouse", f"http://127.0.0.1:{port}", name="node1")
+    job.until("node 1 healed into the quorum", lambda: bool(events(job, 1, "healed")))
+    os.killpg(node0.proc.pid, signal.SIGKILL)
+    assert job.wait(node1, timeout=150) != 0, job.output()
+    assert not (job.base / "ckpt" / "latest").exists() or not assert_finished(job)
+
+
+def assert_finished(job: Job) -> bool:
+    from elastic_train.checkpoint.manager import load
+
+    return bool(load((job.base / "ckpt" / "latest").resolve()).manifest.finished)

@@ -1,0 +1,158 @@
+"""The Lighthouse's seat (``elastic_train.quorum.seat``) against a real three-member etcd: one
+holder at a time, every agent knows it, a holder that stops refreshing (or is frozen) is fenced
+before another takes the seat, and the loss of the etcd member the holder talks to costs
+nothing. Needs Debian's etcd-server; skips without it, unless ELASTIC_TRAIN_REQUIRE_ETCD=1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_train.quorum.seat import Seat, SeatConfig, now
+from elastic_train.testing.etcd import EtcdMember, etcd_cluster, require_etcd
+from elastic_train.testing.processes import ROOT, base_env, kill_group
+
+pytestmark = pytest.mark.timeout(120)
+TTL = 3
+
+
+@pytest.fixture(autouse=True)
+def etcd_here() -> None:
+    require_etcd()
+
+
+@pytest.fixture
+def members(tmp_path: Path) -> Iterator[list[EtcdMember]]:
+    with etcd_cluster(tmp_path) as cluster:
+        yield cluster
+
+
+def config(members: list[EtcdMember], name: str, job: str = "seat-test") -> SeatConfig:
+    return SeatConfig(tuple(m.client for m in members), job, f"http://127.0.0.1:{name}", ttl_s=TTL)
+
+
+@contextmanager
+def seats(members: list[EtcdMember], *names: str) -> Iterator[list[Seat]]:
+    started = [Seat(config(members, name)) for name in names]
+    for seat in started:
+        seat.start()
+    try:
+        yield started
+    finally:
+        for seat in started:
+            seat.stop(release=True)
+
+
+def until(what: str, condition: Callable[[], bool], timeout: float = 20.0) -> float:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.02)
+    return now()
+
+
+def test_one_agent_holds_the_seat_and_every_agent_knows_which(members: list[EtcdMember]) -> None:
+    with seats(members, "1001", "1002", "1003") as started:
+        until("a holder known to all", lambda: all(s.holder() is not None for s in started))
+        holders = [s for s in started if s.mine()]
+        assert len(holders) == 1, [s.config.address for s in holders]
+        assert {s.holder() for s in started} == {holders[0].holder()}
+        assert holders[0].holder().address == holders[0].config.address  # type: ignore[union-attr]
+
+
+def test_a_holder_that_stops_refreshing_is_fenced_before_another_takes_the_seat(members: list[EtcdMember]) -> None:
+    with seats(members, "1001", "1002") as (a, b):
+        until("a holder", lambda: a.holder() is not None and b.holder() is not None)
+        old, new = (a, b) if a.mine() else (b, a)
+        term = old.holder().term  # type: ignore[union-attr]
+        old.stop(release=False)  # as its host dying: no refresh, no release
+        fenced = until("the old holder fenced", lambda: not old.mine(), timeout=TTL)
+        taken = until("the other holder", new.mine, timeout=TTL + 5)
+        # The old Lighthouse is killed at the fence; the new one may start only after it.
+        assert fenced < taken, (fenced, taken)
+        assert new.holder().term > term  # type: ignore[union-attr]
+        assert taken - fenced < 4.0, f"the seat moved {taken - fenced:.1f} s after the fence (TTL {TTL} s)"
+
+
+def test_a_released_seat_is_taken_at_the_next_read(members: list[EtcdMember]) -> None:
+    with seats(members, "1001", "1002") as (a, b):
+        until("a holder", lambda: a.holder() is not None and b.holder() is not None)
+        old, new = (a, b) if a.mine() else (b, a)
+        released = now()
+        old.stop(release=True)
+        taken = until("the other holder", new.mine, timeout=TTL)
+        assert taken - released < 1.5, taken - released
+
+
+def test_an_agent_that_abdicates_leaves_the_seat_for_good(members: list[EtcdMember]) -> None:
+    with seats(members, "1001", "1002") as (a, b):
+        until("a holder", lambda: a.holder() is not None and b.holder() is not None)
+        old, new = (a, b) if a.mine() else (b, a)
+        old.abdicate()
+        until("the other holder", new.mine, timeout=TTL)
+        new.stop(release=True)
+        time.sleep(TTL)
+        assert not old.mine() and old.holder() is None
+
+
+def test_the_seat_survives_the_loss_of_the_etcd_member_its_holder_talks_to(members: list[EtcdMember]) -> None:
+    # Every client lists member 0 first: python-etcd talks to it until it fails.
+    with seats(members, "1001", "1002") as (a, b):
+        until("a holder", lambda: a.holder() is not None and b.holder() is not None)
+        holder = a.holder()
+        members[0].kill()
+        deadline = time.monotonic() + 3 * TTL
+        while time.monotonic() < deadline:
+            assert a.holder() == holder or b.holder() == holder, "the seat moved although its holder lived"
+            assert a.mine() or b.mine(), "the holder lost its seat to the loss of one etcd member"
+            time.sleep(0.05)
+
+
+# A holder in a process of its own, frozen with SIGSTOP: its first look at the clock after the
+# thaw must find the seat lost (CLOCK_BOOTTIME counts while it is stopped).
+HOLDER = """
+import json, sys, time
+from elastic_train.quorum.seat import Seat, SeatConfig
+seat = Seat(SeatConfig(tuple(sys.argv[1].split(",")), "seat-test", "http://127.0.0.1:1009", ttl_s=int(sys.argv[2])))
+seat.start()
+while True:
+    print(json.dumps({"mine": seat.mine(), "wall": time.time()}), flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_a_frozen_holder_finds_its_seat_lost_when_it_thaws(members: list[EtcdMember], tmp_path: Path) -> None:
+    out = tmp_path / "holder.out"
+    endpoints = ",".join(m.client for m in members)
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, endpoints, str(TTL)], env=base_env(), cwd=ROOT, stdout=sink,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+
+    def lines() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+
+    try:
+        until("the child holding the seat", lambda: any(r["mine"] for r in lines()), timeout=60)
+        with seats(members, "1002") as (other,):
+            proc.send_signal(signal.SIGSTOP)
+            frozen = time.time()
+            until("the other agent holding the seat", other.mine, timeout=TTL + 5)
+            assert other.holder().address.endswith(":1002")  # type: ignore[union-attr]
+            proc.send_signal(signal.SIGCONT)
+            until("the thawed holder's first look", lambda: lines()[-1]["wall"] > frozen + 0.5, timeout=10)
+            after = [r for r in lines() if r["wall"] > frozen]
+            assert after and not any(r["mine"] for r in after), after[:3]
+    finally:
+        kill_group(proc)
+        proc.wait()

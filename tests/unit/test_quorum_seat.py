@@ -1,0 +1,144 @@
+"""The Lighthouse relay (``quorum.forward``), the seat's settings and the agent's flags for it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastic_train.etcd_member import EtcdError
+from elastic_train.quorum.forward import Forwarder
+from elastic_train.quorum.launch import parse
+from elastic_train.quorum.seat import SeatConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextmanager
+def echo_server(tag: bytes) -> Iterator[tuple[str, list[socket.socket]]]:
+    """A server that answers every chunk with ``tag + chunk``; yields its URL and its connections."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(4096):
+                conn.sendall(tag + data)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        listener.close()
+
+
+def ask(relay: Forwarder, payload: bytes) -> tuple[socket.socket, bytes]:
+    conn = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
+    conn.sendall(payload)
+    return conn, conn.recv(4096)
+
+
+def test_the_relay_passes_bytes_both_ways_to_its_target() -> None:
+    with echo_server(b"a:") as (url, _), Forwarder() as relay:
+        relay.retarget(url)
+        conn, reply = ask(relay, b"hello")
+        assert reply == b"a:hello"
+        conn.sendall(b"again")
+        assert conn.recv(4096) == b"a:again"
+        conn.close()
+
+
+def test_a_new_target_closes_the_relayed_connections_and_takes_the_next_ones() -> None:
+    with echo_server(b"a:") as (first, _), echo_server(b"b:") as (second, _), Forwarder() as relay:
+        relay.retarget(first)
+        old, reply = ask(relay, b"x")
+        assert reply == b"a:x"
+        relay.retarget(second)
+        old.settimeout(5)
+        assert old.recv(4096) == b"", "a connection to the old Lighthouse stayed open"
+        new, reply = ask(relay, b"y")
+        assert reply == b"b:y"
+        old.close()
+        new.close()
+
+
+def test_without_a_target_a_connection_is_closed_at_once() -> None:
+    with Forwarder() as relay:
+        started = time.monotonic()
+        conn = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
+        assert conn.recv(4096) == b""
+        assert time.monotonic() - started < 2
+        conn.close()
+
+
+def test_the_lighthouse_closing_its_side_closes_the_workers_side() -> None:
+    with echo_server(b"a:") as (url, accepted), Forwarder() as relay:
+        relay.retarget(url)
+        conn, _ = ask(relay, b"x")
+        accepted[0].shutdown(socket.SHUT_RDWR)
+        conn.settimeout(5)
+        assert conn.recv(4096) == b""
+        conn.close()
+
+
+def test_a_bad_target_is_refused() -> None:
+    with Forwarder() as relay, pytest.raises(ValueError, match="not http://HOST:PORT"):
+        relay.retarget("lighthouse")
+
+
+@given(ttl=st.integers(-3, 30), margin=st.floats(-1, 40), refresh=st.floats(0.01, 5), read=st.floats(0.01, 5))
+def test_seat_settings_are_accepted_only_when_a_refresh_fits_before_the_fence(
+    ttl: int, margin: float, refresh: float, read: float
+) -> None:
+    fits = ttl >= 2 and 0 < margin < ttl and refresh + read <= ttl - margin
+    try:
+        SeatConfig(("h:2379",), "job", "http://h:29510", ttl, refresh, margin, read)
+    except ValueError:
+        assert not fits
+    else:
+        assert fits
+
+
+@pytest.mark.parametrize(
+    ("endpoints", "job", "problem"),
+    [((), "j", "is empty"), (("h",), "j", "not HOST:PORT"), (("h:1",), "", "job id"), (("h:1",), "a/b", "job id")],
+)
+def test_seat_settings_name_what_is_wrong(endpoints: tuple[str, ...], job: str, problem: str) -> None:
+    with pytest.raises((ValueError, EtcdError), match=problem):
+        SeatConfig(endpoints, job, "http://h:1")
+
+
+def test_the_agent_refuses_a_lighthouse_and_a_seat_together(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--lighthouse", "http://h:1", "--lighthouse-etcd", "h:2379", "--run-id", "r", "-m", "elastic_train"])
+    assert "exclude each other" in capsys.readouterr().err
+
+
+def test_a_seat_needs_the_jobs_id(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(SystemExit):
+        parse(["--lighthouse-etcd", "h:2379", "-m", "elastic_train"])
+    assert "--run-id" in capsys.readouterr().err
+
+
+def test_with_a_seat_any_node_may_start_without_a_lighthouse_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_TRAIN_QUORUM_SECRET", "s" * 32)
+    args, trainer = parse(
+        ["--nnodes", "2", "--node-rank", "1", "--lighthouse-etcd", "h:2379", "--run-id", "r", "-m", "elastic_train"]
+    )
+    assert args.lighthouse is None and args.lighthouse_etcd == "h:2379" and trainer == []
