@@ -64,6 +64,11 @@ COVERED_BY: dict[str, str] = {
     + "test_train_sbatch_runs_to_completion",
     r"ET_FT=quorum sbatch jobs/train\.sbatch --epochs 2 --max-steps-per-epoch 10": "tests/slurm/test_slurm_quorum.py::"
     "test_a_quorum_job_is_preempted_requeued_and_resumes_with_every_sample_exactly_once",
+    # One node's agent of a two-node job: the test starts both, with these flags, and etcd.
+    r"python -m elastic_train\.quorum\.launch --nnodes 2 --node-rank 0 .*--lighthouse-etcd \S+ -m elastic_train .*": (
+        "tests/launch/test_quorum_lighthouse_seat.py::"
+        "test_the_lighthouses_node_lost_or_frozen_the_other_node_takes_its_seat_and_trains_on"
+    ),
 }
 EXAMPLES = "tests/launch/test_examples.py::"
 README_RUN = EXAMPLES + "test_the_readme_examples_run_verbatim"
