@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 CHUNK = 1 << 16
@@ -31,7 +32,11 @@ def _endpoint(url: str) -> tuple[str, int]:
 class Forwarder:
     """``with Forwarder() as relay:`` workers use ``relay.address``; ``relay.retarget(url)``."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", current: Callable[[], str | None] | None = None) -> None:
+        # ``current``: where the Lighthouse is right now, asked at each accept and before each
+        # chunk is passed on, so that a relay whose agent's main loop is busy (or that thawed
+        # before it) never carries a byte to a Lighthouse whose seat may be gone.
+        self._current = current
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, 0))
@@ -89,8 +94,13 @@ class Forwarder:
                 return  # closed
             threading.Thread(target=self._relay, args=(conn,), name="lighthouse-relay-conn", daemon=True).start()
 
+    def _valid(self, target: str) -> bool:
+        return self._current is None or self._current() == target
+
     def _relay(self, conn: socket.socket) -> None:
         target = self.target
+        if target is not None and not self._valid(target):
+            target = None
         if target is None:
             conn.close()
             return
@@ -112,9 +122,11 @@ class Forwarder:
             conn.close()
             upstream.close()
             return
-        back = threading.Thread(target=self._pump, args=(upstream, conn), name="lighthouse-relay-back", daemon=True)
+        back = threading.Thread(
+            target=self._pump, args=(upstream, conn, target), name="lighthouse-relay-back", daemon=True
+        )
         back.start()
-        self._pump(conn, upstream)
+        self._pump(conn, upstream, target)
         back.join()
         with self._lock:
             self._open.discard(conn)
@@ -122,10 +134,9 @@ class Forwarder:
         conn.close()
         upstream.close()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, target: str) -> None:
         try:
-            while data := src.recv(CHUNK):
+            while (data := src.recv(CHUNK)) and self._valid(target):
                 dst.sendall(data)
         except OSError:
             pass

@@ -54,6 +54,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -70,10 +71,11 @@ from elastic_train.quorum import identity
 from elastic_train.quorum.forward import Forwarder
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken, _check_port_free
 from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, JOB_VAR, LAUNCHER_THREADS_VAR, SECRET_VAR, WARM_ARGV_VAR
-from elastic_train.quorum.seat import Seat, SeatConfig
+from elastic_train.quorum.seat import Holder, Seat, SeatConfig
 
 ETCD_VAR = "ELASTIC_TRAIN_LIGHTHOUSE_ETCD"
 SEAT_WAIT_S = 60.0  # for a first Lighthouse at start: the etcd members' start included
+FENCE_POLL_S = 0.02  # how often the fence thread looks at the seat's lease
 
 # Imported by the forkserver once; a forked worker finds them in memory.
 # The last one opens the task's data (``warm``): a restarted worker need not.
@@ -237,36 +239,87 @@ def job_id(args: argparse.Namespace) -> str:
 @dataclass
 class SeatedLighthouse:
     """The Lighthouse whose seat moves (``--lighthouse-etcd``): this agent runs ``server`` while
-    ``seat`` says so, and its workers reach whoever holds the seat through ``relay``."""
+    ``seat`` says so, and its workers reach whoever holds the seat through ``relay``.
+
+    ``supervise`` is called from the agent's main loop, every 50 ms, and never blocks there: the
+    fence (kill the Lighthouse once the seat may be gone) must not wait behind a slow start."""
 
     seat: Seat
     server: Lighthouse
     relay: Forwarder
+    start_timeout_s: float = 60.0
+    launched_at: float = 0.0
+    serving: bool = False  # the launched Lighthouse listens (announced)
+    failures: int = 0  # starts that failed in a row
+    closed: threading.Event = field(default_factory=threading.Event)
+    # The fence thread and the main loop both act on ``server``: one at a time.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        # The fence also runs on a thread of its own: the main loop may be busy for seconds (a
+        # fork of the first worker, a group's store, a stop), and after a thaw any thread may
+        # run first. Only the start needs the main thread (the Lighthouse dies with its starter).
+        threading.Thread(target=self._fence_loop, name="lighthouse-fence", daemon=True).start()
+
+    def _fence_loop(self) -> None:
+        while not self.closed.wait(FENCE_POLL_S):
+            self.fence()
+
+    def fence(self) -> None:
+        with self.lock:
+            if self.server.running() and not self.seat.mine():
+                self.server.kill()
+                print("[quorum-agent] this agent lost the Lighthouse seat: its Lighthouse is stopped", flush=True)
 
     def supervise(self, stopping: bool) -> None:
-        """The fence first: a Lighthouse whose seat ran out is killed before anything else."""
-        mine, running = self.seat.mine(), self.server.running()
-        if running and not mine:
-            self.server.kill()
-            print("[quorum-agent] this agent lost the Lighthouse seat: its Lighthouse is stopped", flush=True)
-        elif mine and not running and not stopping:
-            try:
-                self.server.start()
-            except (OSError, RuntimeError, TimeoutError) as exc:
-                print(f"[quorum-agent] cannot run the Lighthouse here ({exc}): the seat is left to another", flush=True)
-                self.seat.abdicate()
-            else:
+        self.fence()
+        with self.lock:
+            if self.seat.mine():
+                if not stopping:
+                    self._serve(self.server.running())
+                elif not self.server.running():  # stopping: the other nodes need a Lighthouse more than this one
+                    self.seat.abdicate()
+        holder = self.seat.holder()
+        self.relay.retarget(holder.address if holder is not None else None)
+
+    def _serve(self, running: bool) -> None:
+        """Launch the Lighthouse, or see whether the launched one listens yet."""
+        try:
+            if not running:
+                if time.monotonic() - self.launched_at < 1.0:  # a crashing binary is not relaunched 20 times a second
+                    return
+                self.serving = False
+                self.launched_at = time.monotonic()
+                self.server.launch()
+            elif not self.serving and self.server.listening():
+                self.serving, self.failures = True, 0
                 print(
                     f"[quorum-agent] Lighthouse at {self.seat.config.address} (pid {self.server.pid}), "
                     f"bound to {self.server.host}, holding its seat",
                     flush=True,
                 )
-        holder = self.seat.holder()
-        self.relay.retarget(holder.address if holder is not None else None)
+            elif not self.serving and time.monotonic() - self.launched_at > self.start_timeout_s:
+                raise TimeoutError(f"not listening after {self.start_timeout_s:.0f} s")
+        except (LighthousePortTaken, FileNotFoundError) as exc:  # nothing a retry changes
+            self._give_up(str(exc))
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            self.server.kill()
+            self.failures += 1
+            if self.failures >= 3:
+                self._give_up(f"{self.failures} starts failed, the last: {exc}")
+            else:
+                print(f"[quorum-agent] the Lighthouse did not start ({exc}); trying again", flush=True)
+
+    def _give_up(self, why: str) -> None:
+        self.server.kill()
+        print(f"[quorum-agent] cannot run the Lighthouse here ({why}): the seat is left to another agent", flush=True)
+        self.seat.abdicate()
 
     def close(self) -> None:
+        self.closed.set()
+        with self.lock:
+            self.server.kill()  # first: once the seat is released, another agent may start serving
         self.seat.stop(release=True)  # the others take the seat at their next read, not after the TTL
-        self.server.stop()
         self.relay.close()
 
 
@@ -430,8 +483,8 @@ class Agent:
                 )
                 return False
             time.sleep(POLL_S)
-        self.seated.supervise(stopping=False)
-        return True
+        self.seated.supervise(stopping=self.stopping is not None)
+        return self.stopping is None
 
     def supervise_lighthouse(self) -> None:
         """A Lighthouse that died is started again on its port: it keeps no state worth keeping
@@ -506,13 +559,16 @@ def seated_lighthouse(args: argparse.Namespace) -> SeatedLighthouse:
     """A candidate for the Lighthouse's seat (``--lighthouse-etcd``). Its port is checked now:
     a port taken here is bad input at start, not a seat given up later."""
     config = SeatConfig(tuple(filter(None, args.lighthouse_etcd.split(","))), job_id(args), "", args.lighthouse_ttl)
-    # The Lighthouse must start well inside the lease that lets it serve.
-    server, address = lighthouse_here(args, start_timeout_s=float(config.ttl_s - config.margin_s))
+    server, address = lighthouse_here(args)
     _check_port_free(server.host, server.port)
     config = dataclasses.replace(config, address=address)
     seat = Seat(config)
     seat.start()
-    return SeatedLighthouse(seat, server, Forwarder())
+    return SeatedLighthouse(seat, server, Forwarder(current=lambda: _address(seat.holder())))
+
+
+def _address(holder: Holder | None) -> str | None:
+    return holder.address if holder is not None else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

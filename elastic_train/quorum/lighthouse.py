@@ -209,6 +209,14 @@ class Lighthouse:
         return self.proc.pid
 
     def start(self) -> None:
+        """Starts it and waits until it listens (``start_timeout_s``)."""
+        self.launch()
+        assert self.proc is not None
+        self._wait_until_listening(self.proc)
+
+    def launch(self) -> None:
+        """Starts it without waiting: ``listening()`` says when it serves. For a caller that
+        must keep doing something else meanwhile (the seat's fence)."""
         # Beside this interpreter (a venv), else on PATH (a module or container runtime).
         beside = Path(sys.executable).parent / "torchft_lighthouse"
         found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
@@ -228,16 +236,25 @@ class Lighthouse:
             self.proc = subprocess.Popen(
                 command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
             )
-        self._wait_until_listening(self.proc)
+
+    def listening(self) -> bool:
+        """Whether the launched child itself listens on the port yet; raises when it exited
+        (``LighthousePortTaken`` when someone else took the port meanwhile)."""
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("the Lighthouse was not launched")
+        if owns_listener(proc.pid, self.port):
+            return True
+        if proc.poll() is not None:
+            if not self.prefix and _listening_inodes("self", self.port):  # taken between the check and its bind
+                raise LighthousePortTaken(self.host, self.port)
+            raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}; see {self.log}")
+        return False
 
     def _wait_until_listening(self, proc: subprocess.Popen[bytes]) -> None:
         """Until ``proc`` itself listens on the port; a foreign listener there is an error, not a start."""
         deadline = time.monotonic() + self.start_timeout_s
-        while not owns_listener(proc.pid, self.port):
-            if proc.poll() is not None:
-                if not self.prefix and _listening_inodes("self", self.port):  # taken between the check and its bind
-                    raise LighthousePortTaken(self.host, self.port)
-                raise RuntimeError(f"torchft_lighthouse exited with {proc.returncode}; see {self.log}")
+        while not self.listening():
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"torchft_lighthouse not listening on {self.address} after {self.start_timeout_s}s")

@@ -29,10 +29,12 @@ own line. Those lines meet only through the position check (lineages differ: nev
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,44 +95,81 @@ class Holder:
     term: int  # etcd's createdIndex of the key: grows with every new holder
 
 
+def _unreachable() -> tuple[type[BaseException], ...]:
+    """What a request to a member that is down, frozen or cut off raises: try another member."""
+    import etcd
+    import urllib3
+
+    return (etcd.EtcdConnectionFailed, urllib3.exceptions.HTTPError, OSError)
+
+
 def _errors() -> tuple[type[BaseException], ...]:
-    """What an etcd request may raise when a member is down or slow: python-etcd's own errors,
-    and urllib3's and the socket's that it lets through."""
+    """Anything an etcd request may raise besides the answers handled where it is made."""
     import etcd
     import urllib3
 
     return (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)
 
 
-def _client(config: SeatConfig) -> Any:
-    import etcd  # python-etcd: the client torch's etcd rendezvous uses too ('elastic-train[etcd]')
+class Members:
+    """One python-etcd client per member, used in turn: a request that finds its member
+    unreachable is sent to the next at once.
 
-    hosts = tuple(split_endpoint(e, "--lighthouse-etcd endpoint") for e in config.endpoints)
-    return etcd.Client(
-        host=hosts if len(hosts) > 1 else hosts[0][0],
-        port=hosts[0][1],
-        allow_reconnect=len(hosts) > 1,
-        read_timeout=config.read_timeout_s,
-    )
+    Not python-etcd's own failover: with several hosts it contacts the cluster when it is
+    built (an agent started before etcd would crash), its member list empties when every member
+    failed once and never fills again (the client is stuck on the last one tried, measured),
+    and urllib3 retries each request three more times on a timeout (4 x ``read_timeout`` on a
+    frozen member, longer than the fence allows)."""
+
+    def __init__(self, config: SeatConfig) -> None:
+        import etcd  # python-etcd: the client torch's etcd rendezvous uses too ('elastic-train[etcd]')
+        import urllib3
+
+        # Its failed requests are logged at ERROR on the root logger's last resort (stderr): this
+        # module says what matters, once in a while (Seat._report).
+        logging.getLogger("etcd").setLevel(logging.CRITICAL)
+        self.clients = []
+        for endpoint in config.endpoints:
+            host, port = split_endpoint(endpoint, "--lighthouse-etcd endpoint")
+            client = etcd.Client(host=host, port=port, read_timeout=config.read_timeout_s, allow_reconnect=False)
+            client.http = urllib3.PoolManager(num_pools=2, maxsize=2, retries=False, timeout=config.read_timeout_s)
+            self.clients.append(client)
+        self.current = 0
+
+    def call(self, request: Callable[[Any], Any]) -> Any:
+        """``request(client)`` on the current member, else on each next one; the last member's
+        error when none answers. etcd's own answers (no such key, compare failed) are raised at once."""
+        last: BaseException | None = None
+        for _ in self.clients:
+            try:
+                return request(self.clients[self.current])
+            except _unreachable() as exc:
+                last = exc
+                self.current = (self.current + 1) % len(self.clients)
+        assert last is not None
+        raise last
 
 
 class Seat:
     """One agent's view of the seat, kept current by a thread. ``mine()`` and ``holder()`` are
-    what the agent's main loop acts on (it starts and kills the Lighthouse itself: a Lighthouse
-    dies with the thread that started it, ``quorum.lighthouse``)."""
+    what the agent acts on (it starts and kills the Lighthouse itself: a Lighthouse dies with
+    the thread that started it, ``quorum.lighthouse``)."""
 
-    def __init__(self, config: SeatConfig, client: Any = None) -> None:
+    def __init__(self, config: SeatConfig, members: Any = None) -> None:
         self.config = config
         self.nonce = uuid.uuid4().hex
         self.value = json.dumps({"address": config.address, "agent": self.nonce})
-        self._client = client if client is not None else _client(config)
+        self._members = members if members is not None else Members(config)
         self._lock = threading.Lock()
         self._mine_until = 0.0  # while now() is below it, this agent's Lighthouse may serve
         self._term = 0  # the term this agent holds (when it does)
         self._holder: Holder | None = None
         self._holder_until = 0.0  # while now() is below it, ``_holder`` is known to hold the key
         self._quiet_until = 0.0  # the last etcd error was reported; the next is not before this
-        self._candidate = True  # False once this agent cannot run a Lighthouse: it only reads
+        self._candidate = True  # False once this agent gives the seat up for good: it only reads
+        # Bumped when the seat is given up: a reply to a request sent before must not extend it.
+        self._generation = 0
+        self.taken_at: float | None = None  # when the last create or take-back that won was sent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lighthouse-seat", daemon=True)
 
@@ -140,6 +179,11 @@ class Seat:
     def mine(self) -> bool:
         with self._lock:
             return now() < self._mine_until
+
+    def lease_end(self) -> float:
+        """When this agent's Lighthouse must be dead by (``now()`` clock): the fence's deadline."""
+        with self._lock:
+            return self._mine_until
 
     def holder(self) -> Holder | None:
         """The Lighthouse to talk to: this agent's own while it holds the seat, else the one the
@@ -151,81 +195,87 @@ class Seat:
                 return Holder(self.config.address, self.nonce, self._term)
             return self._holder if t < self._holder_until else None
 
+    def abdicate(self) -> None:
+        """Give the seat up for good (this agent cannot run a Lighthouse, or is stopping): now,
+        and never take it again; another agent's Lighthouse serves this one's workers too."""
+        with self._lock:
+            self._candidate = False
+            self._generation += 1
+            held, self._mine_until = now() < self._mine_until, 0.0
+        if held:
+            self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
+
     def stop(self, release: bool = True) -> None:
         """Stop refreshing; ``release`` deletes the key when this agent holds it, so the next
         holder need not wait for the TTL (a clean end; a crash releases nothing)."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=self.config.read_timeout_s * 3 + self.config.refresh_s)
-        if release and self.mine():
-            with self._lock:
-                self._mine_until = 0.0
-            self._quietly(lambda: self._client.delete(self.config.key, prevValue=self.value))
-
-    def abdicate(self) -> None:
-        """This agent cannot run a Lighthouse (its port is taken, the binary fails): give the
-        seat up now and never take it again; another agent's Lighthouse serves this one too."""
-        with self._lock:
-            self._candidate = False
-            held, self._mine_until = self._mine_locked(), 0.0
-        if held:
-            self._quietly(lambda: self._client.delete(self.config.key, prevValue=self.value))
-
-    def _mine_locked(self) -> bool:
-        return now() < self._mine_until
+            tries = len(self.config.endpoints) * 3  # a tick's requests, each to every member at worst
+            self._thread.join(timeout=tries * self.config.read_timeout_s + self.config.refresh_s)
+        if release:
+            self.abdicate()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.tick()
             self._stop.wait(self.config.refresh_s)
 
+    def _hold(self, sent: float, generation: int, term: int | None = None) -> bool:
+        """A create or refresh sent at ``sent`` succeeded: the lease runs from then, unless the
+        seat was given up meanwhile (the caller then deletes the key again)."""
+        with self._lock:
+            if not self._candidate or generation != self._generation:
+                return False
+            self._mine_until = sent + self.config.ttl_s - self.config.margin_s
+            if term is not None:
+                self._term = term
+                self.taken_at = sent
+            return True
+
     def tick(self) -> None:
         """One round: refresh the seat if held, else try to take it, else read who has it."""
         import etcd
 
-        ttl = self.config.ttl_s
+        key, ttl = self.config.key, self.config.ttl_s
+        with self._lock:
+            generation, candidate = self._generation, self._candidate
         sent = now()
         if self.mine():
             try:
-                self._client.refresh(self.config.key, ttl=ttl, prevValue=self.value)
+                self._members.call(lambda c: c.refresh(key, ttl=ttl, prevValue=self.value))
             except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
-                with self._lock:  # expired, or taken by another: the main loop kills the Lighthouse
+                with self._lock:  # expired, or taken by another: the agent kills the Lighthouse
                     self._mine_until = 0.0
                 self._say("lost the Lighthouse seat (the lease expired before a refresh reached etcd)")
                 return
             except _errors() as exc:
                 self._report(exc)
                 return
-            with self._lock:
-                self._mine_until = sent + ttl - self.config.margin_s
+            if not self._hold(sent, generation):
+                self._quietly(lambda c: c.delete(key, prevValue=self.value))
             return
-        if not self._candidate:
-            self._read(sent)
+        if not candidate:
+            self._read(sent, generation)
             return
         try:
-            made = self._client.write(self.config.key, self.value, ttl=ttl, prevExist=False)
+            made = self._members.call(lambda c: c.write(key, self.value, ttl=ttl, prevExist=False))
         except etcd.EtcdAlreadyExist:
-            self._read(sent)
+            self._read(sent, generation)
             return
         except _errors() as exc:
             self._report(exc)
             return
-        with self._lock:
-            taken = self._candidate  # not when it abdicated while the create was on its way
-            if taken:
-                self._mine_until = sent + ttl - self.config.margin_s
-                self._term = int(made.createdIndex)
-        if not taken:
-            self._quietly(lambda: self._client.delete(self.config.key, prevValue=self.value))
+        if not self._hold(sent, generation, int(made.createdIndex)):
+            self._quietly(lambda c: c.delete(key, prevValue=self.value))
             return
         self._say(f"took the Lighthouse seat (term {made.createdIndex})")
 
-    def _read(self, sent: float) -> None:
+    def _read(self, sent: float, generation: int) -> None:
         import etcd
 
         try:
             # A quorum read: a member cut off from the others would answer with what it last knew.
-            found = self._client.read(self.config.key, quorum=True)
+            found = self._members.call(lambda c: c.read(self.config.key, quorum=True))
         except etcd.EtcdKeyNotFound:
             return  # it expired between the create and the read: the next round creates it
         except _errors() as exc:
@@ -237,6 +287,9 @@ class Seat:
         except (TypeError, ValueError, KeyError) as exc:
             self._say(f"the Lighthouse seat's key holds {found.value!r}, not an agent's record ({exc}); ignored")
             return
+        if holder.agent == self.nonce:
+            self._take_back(holder)
+            return
         # etcd reports the TTL left rounded up to whole seconds: at least ttl - 1 s were left
         # when the member answered, which was after ``sent``.
         left = max(0.0, float(found.ttl or 0) - 1.0)
@@ -244,15 +297,38 @@ class Seat:
             self._holder = holder
             self._holder_until = sent + left
 
+    def _take_back(self, record: Holder) -> None:
+        """The key is this agent's although it does not count the seat as held: a create whose
+        reply was lost (a member that applied it and then stalled), or a lease past this agent's
+        own fence but not yet expired in etcd. A refresh takes it back; the lease runs from the
+        refresh's sending."""
+        import etcd
+
+        with self._lock:
+            generation, candidate = self._generation, self._candidate
+        if not candidate:
+            self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
+            return
+        sent = now()
+        try:
+            self._members.call(lambda c: c.refresh(self.config.key, ttl=self.config.ttl_s, prevValue=self.value))
+        except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
+            return
+        except _errors() as exc:
+            self._report(exc)
+            return
+        if self._hold(sent, generation, record.term):
+            self._say(f"took the Lighthouse seat back (term {record.term})")
+
     def _report(self, exc: BaseException) -> None:
         # A member down is routine (the others answer); say so once in a while, not each round.
         if now() >= self._quiet_until:
             self._quiet_until = now() + 10.0
             self._say(f"etcd at {','.join(self.config.endpoints)} did not answer: {type(exc).__name__}: {exc}")
 
-    def _quietly(self, request: Any) -> None:
+    def _quietly(self, request: Callable[[Any], Any]) -> None:
         try:
-            request()
+            self._members.call(request)
         except _errors() as exc:  # a release is a courtesy: the TTL ends it anyway
             self._report(exc)
 

@@ -75,12 +75,17 @@ def test_a_holder_that_stops_refreshing_is_fenced_before_another_takes_the_seat(
         old, new = (a, b) if a.mine() else (b, a)
         term = old.holder().term  # type: ignore[union-attr]
         old.stop(release=False)  # as its host dying: no refresh, no release
-        fenced = until("the old holder fenced", lambda: not old.mine(), timeout=TTL)
-        taken = until("the other holder", new.mine, timeout=TTL + 5)
-        # The old Lighthouse is killed at the fence; the new one may start only after it.
-        assert fenced < taken, (fenced, taken)
+        deadline = old.lease_end()
+        while not new.mine():
+            assert not old.mine() or not new.mine(), "two agents held the seat at once"
+            assert now() < deadline + TTL + 5, "the other agent never took the seat"
+            time.sleep(0.005)
+        # The old holder's Lighthouse is dead by its deadline; the new one's create was sent after it.
+        assert new.taken_at is not None and deadline < new.taken_at, (deadline, new.taken_at)
         assert new.holder().term > term  # type: ignore[union-attr]
-        assert taken - fenced < 4.0, f"the seat moved {taken - fenced:.1f} s after the fence (TTL {TTL} s)"
+        moved = new.taken_at - deadline
+        print(f"\nthe seat was taken {moved:.2f} s after the old holder's fence (TTL {TTL} s, margin 1 s)")
+        assert moved < 3.0
 
 
 def test_a_released_seat_is_taken_at_the_next_read(members: list[EtcdMember]) -> None:
@@ -90,7 +95,8 @@ def test_a_released_seat_is_taken_at_the_next_read(members: list[EtcdMember]) ->
         released = now()
         old.stop(release=True)
         taken = until("the other holder", new.mine, timeout=TTL)
-        assert taken - released < 1.5, taken - released
+        # Well before the TTL's expiry could hand it over (TTL s after the last refresh, plus etcd's tick).
+        assert taken - released < 2.0, taken - released
 
 
 def test_an_agent_that_abdicates_leaves_the_seat_for_good(members: list[EtcdMember]) -> None:
@@ -98,23 +104,32 @@ def test_an_agent_that_abdicates_leaves_the_seat_for_good(members: list[EtcdMemb
         until("a holder", lambda: a.holder() is not None and b.holder() is not None)
         old, new = (a, b) if a.mine() else (b, a)
         old.abdicate()
+        assert not old.mine()
         until("the other holder", new.mine, timeout=TTL)
         new.stop(release=True)
-        time.sleep(TTL)
-        assert not old.mine() and old.holder() is None
+        deadline = time.monotonic() + TTL
+        while time.monotonic() < deadline:
+            assert not old.mine(), "an agent that gave the seat up took it again"
+            time.sleep(0.01)
+        assert old.holder() is None
 
 
-def test_the_seat_survives_the_loss_of_the_etcd_member_its_holder_talks_to(members: list[EtcdMember]) -> None:
-    # Every client lists member 0 first: python-etcd talks to it until it fails.
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_the_seat_survives_the_loss_of_the_etcd_member_its_holder_talks_to(
+    members: list[EtcdMember], fault: str
+) -> None:
+    # Every agent lists member 0 first and talks to it until it fails. Frozen, it answers
+    # nothing and closes nothing: each request to it waits out the read timeout.
     with seats(members, "1001", "1002") as (a, b):
         until("a holder", lambda: a.holder() is not None and b.holder() is not None)
         holder = a.holder()
-        members[0].kill()
+        members[0].kill() if fault == "kill" else members[0].freeze()
         deadline = time.monotonic() + 3 * TTL
         while time.monotonic() < deadline:
             assert a.holder() == holder or b.holder() == holder, "the seat moved although its holder lived"
             assert a.mine() or b.mine(), "the holder lost its seat to the loss of one etcd member"
-            time.sleep(0.05)
+            assert not (a.mine() and b.mine()), "two agents held the seat at once"
+            time.sleep(0.02)
 
 
 # A holder in a process of its own, frozen with SIGSTOP: its first look at the clock after the
@@ -146,12 +161,12 @@ def test_a_frozen_holder_finds_its_seat_lost_when_it_thaws(members: list[EtcdMem
         until("the child holding the seat", lambda: any(r["mine"] for r in lines()), timeout=60)
         with seats(members, "1002") as (other,):
             proc.send_signal(signal.SIGSTOP)
-            frozen = time.time()
             until("the other agent holding the seat", other.mine, timeout=TTL + 5)
             assert other.holder().address.endswith(":1002")  # type: ignore[union-attr]
+            thawed = time.time()  # every line stamped later was written after the thaw
             proc.send_signal(signal.SIGCONT)
-            until("the thawed holder's first look", lambda: lines()[-1]["wall"] > frozen + 0.5, timeout=10)
-            after = [r for r in lines() if r["wall"] > frozen]
+            until("the thawed holder's first look", lambda: lines()[-1]["wall"] > thawed + 0.5, timeout=10)
+            after = [r for r in lines() if r["wall"] > thawed]
             assert after and not any(r["mine"] for r in after), after[:3]
     finally:
         kill_group(proc)

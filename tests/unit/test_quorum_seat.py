@@ -7,6 +7,8 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from elastic_train.etcd_member import EtcdError
 from elastic_train.quorum.forward import Forwarder
 from elastic_train.quorum.launch import parse
-from elastic_train.quorum.seat import SeatConfig
+from elastic_train.quorum.seat import Members, Seat, SeatConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,3 +144,102 @@ def test_with_a_seat_any_node_may_start_without_a_lighthouse_address(monkeypatch
         ["--nnodes", "2", "--node-rank", "1", "--lighthouse-etcd", "h:2379", "--run-id", "r", "-m", "elastic_train"]
     )
     assert args.lighthouse is None and args.lighthouse_etcd == "h:2379" and trainer == []
+
+
+class FakeClient:
+    """An etcd client whose answers the test scripts: ``down`` raises a connection failure."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.down = False
+        self.calls = 0
+        self.in_refresh = threading.Event()
+        self.release_refresh = threading.Event()
+        self.hold_refresh = False
+
+    def _check(self) -> None:
+        import etcd
+
+        self.calls += 1
+        if self.down:
+            raise etcd.EtcdConnectionFailed(f"{self.name} is down")
+
+    def write(self, key: str, value: str, ttl: int, prevExist: bool) -> Any:
+        self._check()
+        return SimpleNamespace(createdIndex=7)
+
+    def refresh(self, key: str, ttl: int, prevValue: str) -> Any:
+        self._check()
+        if self.hold_refresh:
+            self.in_refresh.set()
+            self.release_refresh.wait(5)
+        return SimpleNamespace()
+
+    def delete(self, key: str, prevValue: str) -> Any:
+        self._check()
+        return SimpleNamespace()
+
+    def read(self, key: str, quorum: bool) -> Any:
+        import etcd
+
+        self._check()
+        raise etcd.EtcdKeyNotFound("deleted")  # as abdicate left it
+
+    def name_of(self) -> str:
+        self._check()
+        return self.name
+
+
+def fake_members(*clients: FakeClient) -> Members:
+    members = Members.__new__(Members)
+    members.clients = list(clients)
+    members.current = 0
+    return members
+
+
+def test_members_move_on_from_a_member_that_is_down_and_come_back_to_it() -> None:
+    a, b = FakeClient("a"), FakeClient("b")
+    members = fake_members(a, b)
+    a.down = True
+    assert members.call(FakeClient.name_of) == "b"
+    b.down, a.down = True, False
+    assert members.call(FakeClient.name_of) == "a"  # not stuck: python-etcd's own list would be empty here
+    a.down = True
+    with pytest.raises(Exception, match="is down"):
+        members.call(FakeClient.name_of)
+    a.down = b.down = False
+    assert members.call(FakeClient.name_of) in ("a", "b")
+
+
+def test_a_refresh_in_flight_does_not_give_back_a_seat_given_up_meanwhile() -> None:
+    client = FakeClient("a")
+    seat = Seat(SeatConfig(("a:1",), "job", "http://h:1", ttl_s=3), fake_members(client))
+    seat.tick()  # creates the key: the seat is this agent's
+    assert seat.mine()
+    client.hold_refresh = True
+    refreshing = threading.Thread(target=seat.tick)
+    refreshing.start()  # a refresh is on its way ...
+    assert client.in_refresh.wait(5)
+    seat.abdicate()  # ... when the agent gives the seat up (its Lighthouse cannot start)
+    client.release_refresh.set()
+    refreshing.join(5)
+    assert not seat.mine(), "the refresh's reply gave the seat back to an agent that gave it up"
+    seat.tick()
+    assert not seat.mine(), "an agent that gave the seat up took it again"
+
+
+def test_the_relay_stops_passing_bytes_once_its_lighthouse_is_no_longer_current() -> None:
+    with echo_server(b"a:") as (url, _):
+        current: list[str | None] = [url]
+        with Forwarder(current=lambda: current[0]) as relay:
+            relay.retarget(url)
+            conn, reply = ask(relay, b"x")
+            assert reply == b"a:x"
+            current[0] = None  # the seat's lease ran out; the agent's main loop has not retargeted yet
+            conn.sendall(b"y")
+            conn.settimeout(5)
+            assert conn.recv(4096) == b"", "a byte reached a Lighthouse whose seat may be gone"
+            conn.close()
+            conn = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
+            assert conn.recv(4096) == b"", "a new connection was relayed to it"
+            conn.close()
