@@ -51,9 +51,11 @@ import json
 import multiprocessing
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -72,6 +74,7 @@ from elastic_train.quorum.forward import Forwarder
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken, _check_port_free
 from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, JOB_VAR, LAUNCHER_THREADS_VAR, SECRET_VAR, WARM_ARGV_VAR
 from elastic_train.quorum.seat import Holder, Seat, SeatConfig
+from elastic_train.quorum.term import TERM_FILE_VAR, write_term
 
 ETCD_VAR = "ELASTIC_TRAIN_LIGHTHOUSE_ETCD"
 SEAT_WAIT_S = 60.0  # for a first Lighthouse at start: the etcd members' start included
@@ -254,6 +257,9 @@ class SeatedLighthouse:
     closed: threading.Event = field(default_factory=threading.Event)
     # The fence thread and the main loop both act on ``server``: one at a time.
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Where the workers read the term of the Lighthouse the relay leads to (``quorum.term``).
+    term_file: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="elastic-train-seat-")) / "term")
+    term: int = 0
 
     def __post_init__(self) -> None:
         # The fence also runs on a thread of its own: the main loop may be busy for seconds (a
@@ -280,6 +286,9 @@ class SeatedLighthouse:
                 elif not self.server.running():  # stopping: the other nodes need a Lighthouse more than this one
                     self.seat.abdicate()
         holder = self.seat.holder()
+        if holder is not None and holder.term != self.term:
+            write_term(self.term_file, holder.term)  # before the relay carries a request to it
+            self.term = holder.term
         self.relay.retarget(holder.address if holder is not None else None)
 
     def _serve(self, running: bool) -> None:
@@ -321,6 +330,7 @@ class SeatedLighthouse:
             self.server.kill()  # first: once the seat is released, another agent may start serving
         self.seat.stop(release=True)  # the others take the seat at their next read, not after the TTL
         self.relay.close()
+        shutil.rmtree(self.term_file.parent, ignore_errors=True)
 
 
 class Agent:
@@ -383,6 +393,7 @@ class Agent:
             SECRET_VAR: self.secret,
             "TORCHFT_LIGHTHOUSE": self.lighthouse,
             GROUPS_VAR: str(self.args.nnodes * self.args.nproc_per_node),
+            **({TERM_FILE_VAR: str(self.seated.term_file)} if self.seated is not None else {}),
             "OMP_NUM_THREADS": self.threads,
             **({LAUNCHER_THREADS_VAR: self.threads} if self.threads_are_ours else {}),
         }

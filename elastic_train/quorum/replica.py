@@ -63,6 +63,7 @@ from elastic_train.quorum import identity
 from elastic_train.quorum.group_watch import GroupWatch
 from elastic_train.quorum.names import HOST_VAR, SECRET_VAR
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
+from elastic_train.quorum.term import follow_terms
 
 T = TypeVar("T")
 
@@ -316,6 +317,7 @@ class Replica:
             checkpoint_transport=_state_transport(config),
         )
         identity.guard_quorum(self.manager, config.job, self.member_id, config.lighthouse)
+        follow_terms(self.manager)  # quorum ids unique across Lighthouses (--lighthouse-etcd)
         if group.rank == 0 and group.world_size > 1:
             self._store_client(store_addr, store_port).set(ready, "1")
 

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,23 +66,31 @@ class EtcdMember:
 
 
 @contextmanager
-def etcd_cluster(tmp: Path, size: int = 3, token: str = "elastic-train-test") -> Iterator[list[EtcdMember]]:
-    """``size`` members on 127.0.0.1, yielded once every one reports the cluster ready."""
-    ports = [(free_port(), free_port()) for _ in range(size)]
-    cluster = ",".join(f"m{i}=127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+def etcd_cluster(
+    tmp: Path,
+    size: int = 3,
+    token: str = "elastic-train-test",
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> Iterator[list[EtcdMember]]:
+    """``size`` members on ``host`` (an address of the namespace ``prefix`` enters, e.g.
+    ``ip netns exec NS``), yielded once every one reports the cluster ready."""
+    ports = [(free_port(), free_port()) for _ in range(size)]  # a fresh namespace has every port free
+    cluster = ",".join(f"m{i}={host}:{peer}" for i, (_, peer) in enumerate(ports))
     members: list[EtcdMember] = []
     try:
         for i, (client, peer) in enumerate(ports):
             command = [
+                *prefix,
                 sys.executable,
                 "-m",
                 "elastic_train.etcd_member",
                 "--name",
                 f"m{i}",
                 "--client",
-                f"127.0.0.1:{client}",
+                f"{host}:{client}",
                 "--peer",
-                f"127.0.0.1:{peer}",
+                f"{host}:{peer}",
                 "--cluster",
                 cluster,
                 "--data-dir",
@@ -102,7 +110,7 @@ def etcd_cluster(tmp: Path, size: int = 3, token: str = "elastic-train-test") ->
                     text=True,
                     start_new_session=True,
                 )
-            members.append(EtcdMember(f"m{i}", f"127.0.0.1:{client}", proc))
+            members.append(EtcdMember(f"m{i}", f"{host}:{client}", proc))
         deadline = time.monotonic() + 60
         while not all((tmp / f"etcd-{m.name}.ready").exists() for m in members):
             dead = [m.name for m in members if not m.alive]

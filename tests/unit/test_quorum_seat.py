@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +19,7 @@ from elastic_train.etcd_member import EtcdError
 from elastic_train.quorum.forward import Forwarder
 from elastic_train.quorum.launch import parse
 from elastic_train.quorum.seat import Members, Seat, SeatConfig
+from elastic_train.quorum.term import SHIFT, TermedClient, read_term, write_term
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -243,3 +245,26 @@ def test_the_relay_stops_passing_bytes_once_its_lighthouse_is_no_longer_current(
             conn = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
             assert conn.recv(4096) == b"", "a new connection was relayed to it"
             conn.close()
+
+
+def test_quorum_ids_carry_the_term_of_the_lighthouse_that_formed_them(tmp_path: Path) -> None:
+    quorum = SimpleNamespace(quorum_id=2, replica_ids=["a", "b"], max_step=55)
+    client = SimpleNamespace(_quorum=lambda **_: quorum, other="kept")
+    termed = TermedClient(client, tmp_path / "term")
+    assert termed._quorum().quorum_id == 2  # no term yet: torchft's own id
+    write_term(tmp_path / "term", 27)
+    first = termed._quorum()
+    write_term(tmp_path / "term", 45)  # the seat moved: the new Lighthouse's quorum 2 is another quorum
+    second = termed._quorum()
+    assert first.quorum_id != second.quorum_id and {first.quorum_id, second.quorum_id}.isdisjoint({1, 2, 3})
+    assert second.replica_ids == ["a", "b"] and second.max_step == 55 and termed.other == "kept"
+    assert read_term(tmp_path / "missing") == 0
+
+
+@given(
+    terms=st.lists(st.integers(1, 2**39), min_size=2, max_size=2, unique=True),
+    ids=st.lists(st.integers(1, 2**24 - 1), min_size=2, max_size=2),
+)
+def test_two_lighthouses_never_give_the_same_quorum_id(terms: list[int], ids: list[int]) -> None:
+    made = {(t << SHIFT) + i for t in terms for i in ids}
+    assert len(made) == len({(t, i) for t in terms for i in ids})

@@ -1,0 +1,111 @@
+"""The Lighthouse's seat (``--lighthouse-etcd``) across a real partition: three hosts in network
+namespaces on a private bridge, etcd's three members on host e, a replica on each of hosts a
+and b, and the Lighthouse on a (it holds the seat). Host a's link goes down: a is cut off from
+the etcd majority and from b at once (packets vanish, nothing is closed).
+
+* a's agent cannot refresh its lease: its fence kills its Lighthouse before the lease could end.
+  b's agent takes the seat once etcd expires the key, starts a Lighthouse, and b's replica trains
+  on alone, without a restart.
+* What a commits alone after the cut (its Lighthouse drops b after the heartbeat timeout) ends
+  before b's first commit alone: two Lighthouses never serve at once, so no two quorums commit
+  at the same moment. Those steps are the fork docs/fault-tolerance.md describes (b trains the
+  same global batches again on its line); this test measures it.
+* When the link comes back, a's replica rejoins through b's Lighthouse and heals from b; every
+  epoch's samples exactly once on the line that finished.
+
+Needs root, iproute2 and etcd (skips without, fails in CI: ELASTIC_TRAIN_REQUIRE_NETNS=1,
+ELASTIC_TRAIN_REQUIRE_ETCD=1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic_train.testing.etcd import etcd_cluster, require_etcd
+from elastic_train.testing.netns import Host, bridged_hosts, netns_problem
+from tests.helpers import TOKEN_VAR, base_env, kill_tagged
+from tests.launch.test_quorum_trainer import Job, _time, assert_exactly_once, events
+from tests.netns.test_quorum_partition import PORT, start
+
+pytestmark = pytest.mark.timeout(300)
+TTL = 3
+EPOCHS = 8
+SEATED = re.compile(r"Lighthouse at \S+ \(pid (\d+)\), bound to \S+, holding its seat")
+
+
+@pytest.fixture
+def three_hosts() -> Iterator[dict[str, Host]]:
+    problem = netns_problem()
+    if problem is not None:
+        if os.environ.get("ELASTIC_TRAIN_REQUIRE_NETNS") == "1":
+            pytest.fail(f"ELASTIC_TRAIN_REQUIRE_NETNS=1 but {problem}")
+        pytest.skip(problem)
+    require_etcd()
+    with bridged_hosts(["e", "a", "b"]) as made:
+        yield made
+
+
+def commits_alone(job: Job, group: int, after: float) -> list[dict[str, object]]:
+    """The replica's commit records at world 1 after ``after`` (its ``committed`` lines come every 5 steps)."""
+    return [e for e in events(job, group, "committed", after) if e["world"] == 1] + [
+        e for e in events(job, group, "quorum_changed", after) if e["world"] == 1
+    ]
+
+
+def test_the_lighthouses_node_cut_off_is_fenced_and_the_other_node_takes_the_seat(
+    three_hosts: dict[str, Host], tmp_path: Path
+) -> None:
+    e, a, b = three_hosts["e"], three_hosts["a"], three_hosts["b"]
+    (tmp_path / "etcd").mkdir()
+    job = Job(tmp_path, base_env({"ELASTIC_TRAIN_QUORUM_SECRET": secrets.token_hex(16)}))
+    with etcd_cluster(tmp_path / "etcd", host=e.addr, prefix=e.command([])) as members:
+        endpoints = ",".join(m.client for m in members)
+        seat = ["--lighthouse-etcd", endpoints, "--lighthouse-ttl", str(TTL), "--lighthouse-port", str(PORT)]
+        node_a = start(job, a, 0, seat, epochs=EPOCHS)
+        try:
+            job.until("node a holding the seat", lambda: bool(SEATED.search((tmp_path / "a.out").read_text())))
+            node_b = start(job, b, 1, seat, epochs=EPOCHS)
+            job.until("both nodes training", lambda: job.committed_steps(0) >= 15 and job.committed_steps(1) >= 15)
+            assert not SEATED.search((tmp_path / "b.out").read_text()), "node b ran a Lighthouse while a held the seat"
+            cut = a.set_link(False)
+            job.until(
+                "node b holding the seat",
+                lambda: bool(SEATED.search((tmp_path / "b.out").read_text())),
+                timeout=TTL + 20,
+            )
+            job.until("node b committing alone", lambda: bool(commits_alone(job, 1, cut)), timeout=60)
+            job.until(
+                "node a's Lighthouse fenced", lambda: "lost the Lighthouse seat" in (tmp_path / "a.out").read_text()
+            )
+            time.sleep(3)
+            a_alone = commits_alone(job, 0, cut)  # before the link returns: what a did while cut off
+            back = a.set_link(True)
+            job.until("node a's replica healed back in", lambda: bool(events(job, 0, "healed", back)), timeout=120)
+            assert node_b.wait(timeout=180) == 0, (tmp_path / "b.out").read_text()[-3000:]
+            assert node_a.wait(timeout=60) == 0, (tmp_path / "a.out").read_text()[-3000:]
+        finally:
+            for proc in (node_a, locals().get("node_b")):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+            kill_tagged(job.env[TOKEN_VAR])
+    b_first = min(_time(r) for r in commits_alone(job, 1, cut))
+    # Node b's replica never restarted: it lost an attempt, a Lighthouse and a quorum.
+    assert (tmp_path / "b.out").read_text().count("worker pid") == 1, (tmp_path / "b.out").read_text()[-3000:]
+    if a_alone:
+        a_last = max(_time(r) for r in a_alone)
+        steps = sorted(int(r["step"]) for r in a_alone)  # type: ignore[call-overload]
+        print(
+            f"\nnode a committed alone after the cut until {a_last - cut:.2f} s (steps {steps[0]}..{steps[-1]}); "
+            f"node b's first commit alone {b_first - cut:.2f} s after the cut"
+        )
+        assert a_last < b_first, "node a committed alone while node b's quorum committed: two Lighthouses served"
+    else:
+        print(f"\nnode a committed nothing alone; node b's first commit alone {b_first - cut:.2f} s after the cut")
+    assert len(assert_exactly_once(tmp_path, epochs=EPOCHS)) == EPOCHS
