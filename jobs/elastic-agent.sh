@@ -50,6 +50,9 @@
 #   ET_NODE_RANK       this node's index, 0..nodes-1 (default: $SLURM_NODEID, else 0)
 #   ET_LIGHTHOUSE_PORT the port node 0 starts the Lighthouse on (default 29510)
 #   ET_LIGHTHOUSE_NODE the host of node 0, where the other nodes reach the Lighthouse (required on them)
+#   ET_LIGHTHOUSE_ETCD etcd members host:port,... : no node owns the Lighthouse; the one holding its
+#                      seat there runs it, another takes over when that node is lost (docs/fault-tolerance.md)
+#   ET_LIGHTHOUSE_TTL  ET_LIGHTHOUSE_ETCD: seconds before another node takes a lost Lighthouse's seat (default 5)
 #   ET_LIGHTHOUSE      http://host:port of a Lighthouse started elsewhere (e.g. a login node, so that
 #                      losing node 0 is survivable): every node uses it and none starts one
 # Arguments go to the trainer unchanged.
@@ -72,10 +75,17 @@ et_setup_ft
 et_setup_launcher
 if [ "$ET_FT_MODE" = quorum ]; then
   [ "${ET_RDZV_BACKEND:-c10d}" = c10d ] ||
-    et_die "ET_RDZV_BACKEND=${ET_RDZV_BACKEND} is a restart-mode setting: quorum mode has no rendezvous (its coordinator is the Lighthouse); unset it or use ET_FT=restart"
+    et_die "ET_RDZV_BACKEND=${ET_RDZV_BACKEND} is a restart-mode setting: quorum mode has no rendezvous (its coordinator is the Lighthouse); unset it (ET_LIGHTHOUSE_ETCD puts the Lighthouse's seat in etcd) or use ET_FT=restart"
   node_rank=${ET_NODE_RANK:-${SLURM_NODEID:-0}}
   lighthouse_port=${ET_LIGHTHOUSE_PORT:-29510}
-  if [ -n "${ET_LIGHTHOUSE:-}" ]; then
+  if [ -n "${ET_LIGHTHOUSE_ETCD:-}" ]; then
+    [ -z "${ET_LIGHTHOUSE:-}" ] || et_die "ET_LIGHTHOUSE and ET_LIGHTHOUSE_ETCD exclude each other: a given Lighthouse, or one whose seat moves"
+    # Every node is a candidate: whichever holds the seat runs the Lighthouse, on ET_LIGHTHOUSE_PORT
+    # or a free port (the seat's record carries the address).
+    lighthouse=(--lighthouse-etcd "$ET_LIGHTHOUSE_ETCD" --lighthouse-ttl "${ET_LIGHTHOUSE_TTL:-5}"
+      ${ET_LIGHTHOUSE_PORT:+--lighthouse-port "$ET_LIGHTHOUSE_PORT"})
+    coordinator="the Lighthouse's seat in etcd ($ET_LIGHTHOUSE_ETCD)"
+  elif [ -n "${ET_LIGHTHOUSE:-}" ]; then
     lighthouse=(--lighthouse "$ET_LIGHTHOUSE")
     coordinator="Lighthouse $ET_LIGHTHOUSE"
   elif [ "$node_rank" = 0 ]; then

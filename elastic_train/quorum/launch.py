@@ -200,7 +200,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--lighthouse-port",
         type=int,
         default=None,
-        help="where node 0 starts one if --lighthouse is unset (default: a free port on one node, 29510 on several)",
+        help="where node 0 starts one if --lighthouse is unset (default: a free port on one node or with "
+        "--lighthouse-etcd, 29510 on several)",
     )
     p.add_argument(
         "--lighthouse-etcd",
@@ -553,7 +554,12 @@ def lighthouse_here(args: argparse.Namespace, **kwargs: Any) -> tuple[Lighthouse
             flush=True,
         )
     lighthouse = Lighthouse(
-        LighthouseConfig(), host=bind, port=args.lighthouse_port or (None if single else 29510), log=log, **kwargs
+        LighthouseConfig(),
+        host=bind,
+        # With a seat the address travels in etcd: any free port (one fixed port collides with etcd's on a member node).
+        port=args.lighthouse_port or (None if single or args.lighthouse_etcd else 29510),
+        log=log,
+        **kwargs,
     )
     return lighthouse, f"http://{advertised}:{lighthouse.port}"
 

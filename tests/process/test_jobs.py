@@ -58,6 +58,10 @@ def test_unknown_runtime_is_refused_with_a_hint(tmp_path: Path) -> None:
         ({"ET_RDZV_BACKEND": "zookeeper"}, "ET_RDZV_BACKEND=zookeeper is not c10d or etcd"),
         ({"ET_RDZV_BACKEND": "etcd"}, "ET_RDZV_BACKEND=etcd needs ET_RDZV_ID"),
         ({"ET_RDZV_BACKEND": "etcd", "ET_FT": "quorum"}, "ET_RDZV_BACKEND=etcd is a restart-mode setting"),
+        (
+            {"ET_FT": "quorum", "ET_LIGHTHOUSE_ETCD": "h:2379", "ET_LIGHTHOUSE": "http://h:1"},
+            "ET_LIGHTHOUSE and ET_LIGHTHOUSE_ETCD exclude each other",
+        ),
     ],
 )
 def test_the_agent_refuses_a_rendezvous_backend_it_cannot_use(tmp_path: Path, knobs: dict[str, str], says: str) -> None:

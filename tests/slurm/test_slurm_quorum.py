@@ -10,6 +10,7 @@ tests/launch/test_quorum_trainer.py's, for this shorter run.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -20,7 +21,8 @@ import pytest
 from elastic_train.checkpoint.manager import load
 from elastic_train.data.sampler import global_batches
 from elastic_train.metrics import format_digest, index_digest
-from tests.helpers import flags
+from elastic_train.testing.etcd import require_etcd
+from tests.helpers import flags, free_port
 from tests.slurm.test_slurm import TERMINAL, Cluster, Job, cluster, dirs
 
 __all__ = ["cluster"]  # the fixture, shared with test_slurm.py
@@ -38,6 +40,7 @@ WORKER = re.compile(r"replica group (\d+): worker pid (\d+) \(restart (\d+)\)") 
 # PREEMPTED_LINE, with the step captured).
 PREEMPTED = re.compile(r"preempted by SIGUSR1 at step (\d+) \(checkpoint committed\); requeueing job")
 RESUMED = re.compile(r"Resumed from (\S+) at epoch \d+, step (\d+)")
+SEATED = re.compile(r"Lighthouse at \S+ \(pid \d+\), bound to \S+, holding its seat")
 
 
 def wait_for_latest(job: Job, checkpoints: Path, timeout: float = 120) -> None:
@@ -94,3 +97,36 @@ def test_a_quorum_job_is_preempted_requeued_and_resumes_with_every_sample_exactl
     assert int(resumed.group(2)) == stopped_at, (resumed.group(), stopped_at)
     assert "Training completed successfully." in second and "training finished (exit 0)" in second
     assert_exactly_once(tmp_path / "ckpt")
+
+
+def test_a_multinode_quorum_job_with_the_lighthouses_seat_in_etcd_is_preempted_requeued_and_resumes(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """``ET_FT=quorum ET_RDZV_BACKEND=etcd sbatch jobs/multinode.sbatch``: the job starts an etcd
+    member per node (one here), every agent is a candidate for the Lighthouse's seat, and the
+    holder runs it; the preemption, requeue and resume are those above. (The seat moving when its
+    node is lost: tests/launch/test_quorum_lighthouse_seat.py; this single-node cluster cannot
+    lose one.)"""
+    require_etcd()
+    env = {**dirs(tmp_path), "ET_FT": "quorum", "ET_NPROC": "2", "ET_RDZV_BACKEND": "etcd"}
+    env["ET_RDZV_PORT"] = str(free_port())
+    job = cluster.submit("jobs/multinode.sbatch", RUN, env, "--nodes=1")
+    wait_for_latest(job, tmp_path / "ckpt")
+    subprocess.run(["scancel", "-s", "USR1", "-b", job.id], check=True, timeout=30)
+    info = job.wait(200)
+    text = job.text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{text}"
+    first, _, second = text.partition(f"job {job.id} (restart 1)")
+    assert second, f"the requeued run did not start:\n{text}"
+    for run in (first, second):
+        assert "Lighthouse seat in etcd on" in run and "took the Lighthouse seat" in run, run
+        assert SEATED.search(run), run
+        workers = [(int(group), int(restart)) for group, _, restart in WORKER.findall(run)]
+        assert sorted(workers) == [(0, 0), (1, 0)], f"one worker per replica group, none restarted: {workers}"
+    assert PREEMPTED.search(first), f"the first run was not preempted:\n{first}"
+    assert RESUMED.search(second) and "Training completed successfully." in second, second
+    assert_exactly_once(tmp_path / "ckpt")
+    # Each run's member stopped cleanly (SIGTERM, exit 0): no etcd left running, no data left.
+    assert "etcd ended with no stop asked" not in text and "elastic-train etcd:" not in text, text
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    assert not list(tmp.glob(f"elastic-train-etcd-{job.id}-*")), "a member's data folder was left behind"
