@@ -77,7 +77,6 @@ from elastic_train.quorum.seat import Holder, Seat, SeatConfig
 from elastic_train.quorum.term import TERM_FILE_VAR, write_term
 
 ETCD_VAR = "ELASTIC_TRAIN_LIGHTHOUSE_ETCD"
-SEAT_WAIT_S = 60.0  # for a first Lighthouse at start: the etcd members' start included
 FENCE_POLL_S = 0.02  # how often the fence thread looks at the seat's lease
 
 # Imported by the forkserver once; a forked worker finds them in memory.
@@ -214,8 +213,17 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         default=SeatConfig.ttl_s,
         help="seconds before another node takes a lost Lighthouse's seat (keep under 0.45 x --hang-timeout)",
     )
+    p.add_argument(
+        "--lighthouse-wait",
+        type=float,
+        default=60.0,
+        help="with --lighthouse-etcd: seconds to wait at start for a Lighthouse to hold the seat (etcd's start "
+        "included) before exiting 1",
+    )
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", default=None, help="the job's id (default: Slurm's, or new)")
     args = p.parse_args(ours)
+    if args.lighthouse_wait <= 0:
+        p.error(f"--lighthouse-wait {args.lighthouse_wait:g}: give seconds, more than 0")
     if args.lighthouse_etcd and args.lighthouse:
         p.error("--lighthouse and --lighthouse-etcd exclude each other: a given Lighthouse, or one whose seat moves")
     if args.lighthouse_etcd and args.run_id is None and not os.environ.get("SLURM_JOB_ID"):
@@ -261,6 +269,7 @@ class SeatedLighthouse:
     # Where the workers read the term of the Lighthouse the relay leads to (``quorum.term``).
     term_file: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="elastic-train-seat-")) / "term")
     term: int = 0
+    launched_term: int = 0  # the term the last Lighthouse launched here served under
 
     def __post_init__(self) -> None:
         # The fence also runs on a thread of its own: the main loop may be busy for seconds (a
@@ -293,13 +302,23 @@ class SeatedLighthouse:
         self.relay.retarget(holder.address if holder is not None else None)
 
     def _serve(self, running: bool) -> None:
-        """Launch the Lighthouse, or see whether the launched one listens yet."""
+        """Launch the Lighthouse, or see whether the launched one listens yet. One Lighthouse
+        process per term: one that ended while the seat stayed this agent's is not launched
+        again under that term (its quorum ids would repeat, ``quorum.term``); the seat is given
+        up, and the next holder, maybe this agent, takes it with a new term."""
+        holder = self.seat.holder()
+        if holder is None:
+            return
         try:
             if not running:
+                if self.launched_term == holder.term:
+                    self.seat.resign()
+                    return
                 if time.monotonic() - self.launched_at < 1.0:  # a crashing binary is not relaunched 20 times a second
                     return
                 self.serving = False
                 self.launched_at = time.monotonic()
+                self.launched_term = holder.term
                 self.server.launch()
             elif not self.serving and self.server.listening():
                 self.serving, self.failures = True, 0
@@ -481,16 +500,18 @@ class Agent:
         that finds none at its first quorum would wait out its quorum timeout."""
         if self.seated is None:
             return True
-        deadline = time.monotonic() + SEAT_WAIT_S
+        deadline = time.monotonic() + self.args.lighthouse_wait
         while self.seated.seat.holder() is None:
             self.seated.supervise(stopping=self.stopping is not None)
             if self.stopping is not None:
                 return False
             if time.monotonic() > deadline:
                 print(
-                    f"[quorum-agent] no Lighthouse holds its seat in etcd ({self.args.lighthouse_etcd}) after "
-                    f"{SEAT_WAIT_S:.0f} s: start the etcd members (python -m elastic_train.etcd_member) and "
-                    "check that a majority of them runs",
+                    f"elastic_train.quorum.launch: error: no Lighthouse holds its seat in etcd "
+                    f"({self.args.lighthouse_etcd}) after {self.args.lighthouse_wait:g} s: start the etcd members "
+                    "(python -m elastic_train.etcd_member), check that a majority of them runs, or wait longer "
+                    "(--lighthouse-wait)",
+                    file=sys.stderr,
                     flush=True,
                 )
                 return False

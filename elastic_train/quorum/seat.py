@@ -71,7 +71,9 @@ class SeatConfig:
         if not self.job or "/" in self.job:
             raise ValueError(f"job id {self.job!r} must be non-empty and free of '/'")
         if self.ttl_s < 2:
-            raise ValueError(f"ttl_s must be at least 2 s (etcd counts whole seconds), got {self.ttl_s}")
+            raise ValueError(
+                f"ttl_s (--lighthouse-ttl) must be at least 2 s (etcd counts whole seconds), got {self.ttl_s}"
+            )
         if not 0 < self.margin_s < self.ttl_s:
             raise ValueError(f"margin_s must be inside (0, ttl_s={self.ttl_s}), got {self.margin_s}")
         # A refresh that waits out a silent member must still end before the holder's own fence.
@@ -169,7 +171,7 @@ class Seat:
         self._candidate = True  # False once this agent gives the seat up for good: it only reads
         # Bumped when the seat is given up: a reply to a request sent before must not extend it.
         self._generation = 0
-        self.taken_at: float | None = None  # when the last create or take-back that won was sent
+        self.taken_at: float | None = None  # when the last create that won was sent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lighthouse-seat", daemon=True)
 
@@ -194,6 +196,16 @@ class Seat:
             if t < self._mine_until:
                 return Holder(self.config.address, self.nonce, self._term)
             return self._holder if t < self._holder_until else None
+
+    def resign(self) -> None:
+        """Give the seat up now but stay a candidate: the key is deleted, and the next holder
+        (maybe this agent again, at its next round) creates it with a new term. For a Lighthouse
+        that died while its seat was held: a new process must not serve under the old term."""
+        with self._lock:
+            self._generation += 1
+            held, self._mine_until = now() < self._mine_until, 0.0
+        if held:
+            self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
 
     def abdicate(self) -> None:
         """Give the seat up for good (this agent cannot run a Lighthouse, or is stopping): now,
@@ -288,7 +300,7 @@ class Seat:
             self._say(f"the Lighthouse seat's key holds {found.value!r}, not an agent's record ({exc}); ignored")
             return
         if holder.agent == self.nonce:
-            self._take_back(holder)
+            self._clear_stale()
             return
         # etcd reports the TTL left rounded up to whole seconds: at least ttl - 1 s were left
         # when the member answered, which was after ``sent``.
@@ -297,28 +309,13 @@ class Seat:
             self._holder = holder
             self._holder_until = sent + left
 
-    def _take_back(self, record: Holder) -> None:
+    def _clear_stale(self) -> None:
         """The key is this agent's although it does not count the seat as held: a create whose
         reply was lost (a member that applied it and then stalled), or a lease past this agent's
-        own fence but not yet expired in etcd. A refresh takes it back; the lease runs from the
-        refresh's sending."""
-        import etcd
-
-        with self._lock:
-            generation, candidate = self._generation, self._candidate
-        if not candidate:
-            self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
-            return
-        sent = now()
-        try:
-            self._members.call(lambda c: c.refresh(self.config.key, ttl=self.config.ttl_s, prevValue=self.value))
-        except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
-            return
-        except _errors() as exc:
-            self._report(exc)
-            return
-        if self._hold(sent, generation, record.term):
-            self._say(f"took the Lighthouse seat back (term {record.term})")
+        own fence but not yet expired in etcd. It is deleted, not taken back: the next holder,
+        this agent included, creates the key anew, and with it a new term, so that every
+        Lighthouse process serves under a term of its own (``quorum.term``)."""
+        self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
 
     def _report(self, exc: BaseException) -> None:
         # A member down is routine (the others answer); say so once in a while, not each round.

@@ -65,6 +65,23 @@ class EtcdMember:
         return self.proc.poll() is None
 
 
+def leader(members: Sequence[EtcdMember]) -> EtcdMember:
+    """The member that is the cluster's Raft leader now (v2 ``/v2/stats/self``)."""
+    import json
+    import urllib.request
+
+    for member in members:
+        if not member.alive:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{member.client}/v2/stats/self", timeout=2) as reply:
+                if json.loads(reply.read()).get("state") == "StateLeader":
+                    return member
+        except OSError:
+            continue
+    raise AssertionError("no etcd member says it is the leader")
+
+
 @contextmanager
 def etcd_cluster(
     tmp: Path,

@@ -30,8 +30,9 @@ from tests.launch.test_quorum_trainer import job as job
 pytestmark = pytest.mark.timeout(300)
 TTL = 3
 # Long enough (~0.1 s a step here) for the seat to move (TTL + ~1.5 s) and a thawed node to heal back in.
-EPOCHS = 6
+EPOCHS = 5
 LONGER = ("--epochs", str(EPOCHS))
+TERM = re.compile(r"took the Lighthouse seat \(term (\d+)\)")
 SEAT = re.compile(r"Lighthouse at \S+ \(pid (\d+)\), bound to \S+, holding its seat")
 
 
@@ -55,10 +56,12 @@ def alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("fault", ["sigkill", "freeze"])
-def test_the_lighthouses_node_lost_or_frozen_the_other_node_takes_its_seat_and_trains_on(
-    job: Job, members: list[EtcdMember], fault: str
+def test_the_lighthouses_node_frozen_the_other_node_takes_its_seat_and_trains_on_and_the_thawed_node_heals_back(
+    job: Job, members: list[EtcdMember]
 ) -> None:
+    # A frozen node answers nothing and closes nothing (a node SIGKILLed whole would close its
+    # sockets, the easier case: measured during development, docs/fault-tolerance.md); the cut-off
+    # node is tests/netns/test_quorum_seat_partition.py.
     endpoints = ",".join(m.client for m in members)
     ports = [free_port(), free_port()]
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"seat-{ports[0]}"]
@@ -81,11 +84,8 @@ def test_the_lighthouses_node_lost_or_frozen_the_other_node_takes_its_seat_and_t
     (lighthouse0,) = seated_pids(node0.out.read_text())
     worker1 = node1.pid(1)
     hit = time.time()
-    if fault == "sigkill":
-        os.killpg(node0.proc.pid, signal.SIGKILL)  # agent, forkserver, worker; the Lighthouse dies with its agent
-    else:
-        os.killpg(node0.proc.pid, signal.SIGSTOP)
-        os.kill(lighthouse0, signal.SIGSTOP)  # in a session of its own: a frozen host freezes it too
+    os.killpg(node0.proc.pid, signal.SIGSTOP)
+    os.kill(lighthouse0, signal.SIGSTOP)  # in a session of its own: a frozen host freezes it too
     job.until("node 1 holding the seat", lambda: bool(seated_pids(node1.out.read_text())), timeout=TTL + 15)
     job.until(
         "node 1 committing alone",
@@ -93,22 +93,21 @@ def test_the_lighthouses_node_lost_or_frozen_the_other_node_takes_its_seat_and_t
         timeout=60,
     )
     alone = next(e for e in events(job, 1, "quorum_changed", hit) if e["world"] == 1)
-    print(f"\n{fault}: node 1's first commit alone {alone['seconds_since_commit']:.2f} s after its last at world 2")
+    print(f"\nfreeze: node 1's first commit alone {alone['seconds_since_commit']:.2f} s after its last at world 2")
     job.until("node 1 training on", lambda: job.committed_steps(1) >= alone["step"] + 3)
     assert node1.pid(1) == worker1, "node 1's worker was restarted: the survivor must train on"
-    if fault == "freeze":
-        # The thaw: node 0's first look at the clock kills its Lighthouse; its replica, far behind,
-        # rejoins through node 1's and heals in place. (Before quorum ids carried the Lighthouse's
-        # term, that rejoin cost ~25 s and a worker restart: quorum.term.)
-        thawed = time.monotonic()
-        os.kill(lighthouse0, signal.SIGCONT)
-        os.killpg(node0.proc.pid, signal.SIGCONT)
-        job.until("node 0 fencing its Lighthouse", lambda: not alive(lighthouse0), timeout=10)
-        print(f"freeze: node 0's Lighthouse killed {time.monotonic() - thawed:.2f} s after the thaw")
-        assert "lost the Lighthouse seat" in node0.out.read_text(), job.output()
-        job.until("node 0's replica healing back in", lambda: bool(events(job, 0, "healed", hit)), timeout=90)
-        assert job.wait(node0) == 0, job.output()
-        assert node0.workers()[-1][2] == 0, "node 0's worker restarted: a thawed replica heals in place"
+    # The thaw: node 0's first look at the clock kills its Lighthouse; its replica, far behind,
+    # rejoins through node 1's and heals in place. (Before quorum ids carried the Lighthouse's
+    # term, that rejoin cost ~25 s and a worker restart: quorum.term.)
+    thawed = time.monotonic()
+    os.kill(lighthouse0, signal.SIGCONT)
+    os.killpg(node0.proc.pid, signal.SIGCONT)
+    job.until("node 0 fencing its Lighthouse", lambda: not alive(lighthouse0), timeout=10)
+    print(f"freeze: node 0's Lighthouse killed {time.monotonic() - thawed:.2f} s after the thaw")
+    assert "lost the Lighthouse seat" in node0.out.read_text(), job.output()
+    job.until("node 0's replica healing back in", lambda: bool(events(job, 0, "healed", hit)), timeout=90)
+    assert job.wait(node0) == 0, job.output()
+    assert node0.workers()[-1][2] == 0, "node 0's worker restarted: a thawed replica heals in place"
     assert job.wait(node1) == 0, job.output()
     assert node1.workers() == [(1, worker1, 0)], "node 1's worker was restarted: the survivor trains on"
     assert_exactly_once(job.base, epochs=EPOCHS)
@@ -118,9 +117,13 @@ def test_without_a_seat_the_lighthouses_node_lost_ends_the_training(job: Job) ->
     """The control: node 0's own Lighthouse (no etcd) dies with node 0; node 1 cannot go on."""
     port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"noseat-{port}", "--max-restarts", "0"]
-    node0 = job.start(*common, "--node-rank", "0", "--lighthouse-port", str(port), name="node0")
+    # The shortest watchdog quorum mode allows: node 1's quorum wait (0.45 x 12 s) ends sooner.
+    quick = ("--hang-timeout", "12")
+    node0 = job.start(*common, "--node-rank", "0", "--lighthouse-port", str(port), name="node0", flags=quick)
     job.until("node 0 training", lambda: job.committed_steps(0) >= 3)
-    node1 = job.start(*common, "--node-rank", "1", "--lighthouse", f"http://127.0.0.1:{port}", name="node1")
+    node1 = job.start(
+        *common, "--node-rank", "1", "--lighthouse", f"http://127.0.0.1:{port}", name="node1", flags=quick
+    )
     job.until("node 1 healed into the quorum", lambda: bool(events(job, 1, "healed")))
     os.killpg(node0.proc.pid, signal.SIGKILL)
     assert job.wait(node1, timeout=150) != 0, job.output()
@@ -131,3 +134,34 @@ def assert_finished(job: Job) -> bool:
     from elastic_train.checkpoint.manager import load
 
     return bool(load((job.base / "ckpt" / "latest").resolve()).manifest.finished)
+
+
+def test_the_seats_lighthouse_killed_alone_is_replaced_under_a_new_term_without_a_worker_restart(
+    job: Job, members: list[EtcdMember]
+) -> None:
+    """A Lighthouse process that dies while its node lives: the seat is given up and taken again
+    (by either agent) with a new term, so the new process's quorum ids are its own; both replicas
+    train on through it without a restart."""
+    endpoints = ",".join(m.client for m in members)
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"seat-lh-{free_port()}"]
+    seat = ["--lighthouse-etcd", endpoints, "--lighthouse-ttl", str(TTL)]
+    node0 = job.start(*common, *seat, "--node-rank", "0", name="node0", flags=LONGER)
+    job.until("node 0 holding the seat and training", lambda: job.committed_steps(0) >= 3)
+    node1 = job.start(*common, *seat, "--node-rank", "1", name="node1", flags=LONGER)
+    job.until("node 1 healed into the quorum", lambda: bool(events(job, 1, "healed")))
+    job.until("progress at world 2", lambda: job.committed_steps(1) >= events(job, 1, "healed")[0]["to_step"] + 10)
+    (lighthouse0,) = seated_pids(node0.out.read_text())
+    terms = lambda: [int(t) for n in (node0, node1) for t in TERM.findall(n.out.read_text())]  # noqa: E731
+    first = terms()
+    hit = time.time()
+    os.kill(lighthouse0, signal.SIGKILL)
+    job.until("a new term", lambda: len(terms()) > len(first), timeout=TTL + 15)
+    assert max(terms()) > max(first), terms()
+    job.until(
+        "both replicas committing together again",
+        lambda: any(e["world"] == 2 for e in events(job, 1, "committed", hit + 1)),
+        timeout=60,
+    )
+    assert job.wait(node0) == 0 and job.wait(node1) == 0, job.output()
+    assert [w[2] for w in node0.workers() + node1.workers()] == [0, 0], "a worker restarted"
+    assert_exactly_once(job.base, epochs=EPOCHS)

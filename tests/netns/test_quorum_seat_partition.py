@@ -36,7 +36,7 @@ from tests.netns.test_quorum_partition import PORT, start
 
 pytestmark = pytest.mark.timeout(300)
 TTL = 3
-EPOCHS = 8
+EPOCHS = 6
 SEATED = re.compile(r"Lighthouse at \S+ \(pid (\d+)\), bound to \S+, holding its seat")
 
 

@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 
 from elastic_train.quorum.seat import Seat, SeatConfig, now
-from elastic_train.testing.etcd import EtcdMember, etcd_cluster, require_etcd
+from elastic_train.testing.etcd import EtcdMember, etcd_cluster, leader, require_etcd
 from elastic_train.testing.processes import ROOT, base_env, kill_group
 
 pytestmark = pytest.mark.timeout(120)
 TTL = 3
+DEFAULT_TTL = SeatConfig.ttl_s  # what must ride out an etcd leader election (~1-2 s here)
 
 
 @pytest.fixture(autouse=True)
@@ -36,13 +37,13 @@ def members(tmp_path: Path) -> Iterator[list[EtcdMember]]:
         yield cluster
 
 
-def config(members: list[EtcdMember], name: str, job: str = "seat-test") -> SeatConfig:
-    return SeatConfig(tuple(m.client for m in members), job, f"http://127.0.0.1:{name}", ttl_s=TTL)
+def config(members: list[EtcdMember], name: str, job: str = "seat-test", ttl: int = TTL) -> SeatConfig:
+    return SeatConfig(tuple(m.client for m in members), job, f"http://127.0.0.1:{name}", ttl_s=ttl)
 
 
 @contextmanager
-def seats(members: list[EtcdMember], *names: str) -> Iterator[list[Seat]]:
-    started = [Seat(config(members, name)) for name in names]
+def seats(members: list[EtcdMember], *names: str, ttl: int = TTL) -> Iterator[list[Seat]]:
+    started = [Seat(config(members, name, ttl=ttl)) for name in names]
     for seat in started:
         seat.start()
     try:
@@ -114,17 +115,19 @@ def test_an_agent_that_abdicates_leaves_the_seat_for_good(members: list[EtcdMemb
         assert old.holder() is None
 
 
-@pytest.mark.parametrize("fault", ["kill", "freeze"])
-def test_the_seat_survives_the_loss_of_the_etcd_member_its_holder_talks_to(
-    members: list[EtcdMember], fault: str
-) -> None:
+@pytest.mark.parametrize(
+    ("fault", "which"), [("kill", "first"), ("freeze", "first"), ("kill", "leader"), ("freeze", "leader")]
+)
+def test_the_seat_survives_the_loss_of_one_etcd_member(members: list[EtcdMember], fault: str, which: str) -> None:
     # Every agent lists member 0 first and talks to it until it fails. Frozen, it answers
-    # nothing and closes nothing: each request to it waits out the read timeout.
-    with seats(members, "1001", "1002") as (a, b):
+    # nothing and closes nothing: each request to it waits out the read timeout. The leader's
+    # loss also stops every write and quorum read until the others elect a new one.
+    with seats(members, "1001", "1002", ttl=DEFAULT_TTL) as (a, b):
         until("a holder", lambda: a.holder() is not None and b.holder() is not None)
         holder = a.holder()
-        members[0].kill() if fault == "kill" else members[0].freeze()
-        deadline = time.monotonic() + 3 * TTL
+        victim = members[0] if which == "first" else leader(members)
+        victim.kill() if fault == "kill" else victim.freeze()
+        deadline = time.monotonic() + 3 * DEFAULT_TTL
         while time.monotonic() < deadline:
             assert a.holder() == holder or b.holder() == holder, "the seat moved although its holder lived"
             assert a.mine() or b.mine(), "the holder lost its seat to the loss of one etcd member"

@@ -67,7 +67,7 @@ COVERED_BY: dict[str, str] = {
     # One node's agent of a two-node job: the test starts both, with these flags, and etcd.
     r"python -m elastic_train\.quorum\.launch --nnodes 2 --node-rank 0 .*--lighthouse-etcd \S+ -m elastic_train .*": (
         "tests/launch/test_quorum_lighthouse_seat.py::"
-        "test_the_lighthouses_node_lost_or_frozen_the_other_node_takes_its_seat_and_trains_on"
+        "test_the_lighthouses_node_frozen_the_other_node_takes_its_seat_and_trains_on_and_the_thawed_node_heals_back"
     ),
 }
 EXAMPLES = "tests/launch/test_examples.py::"
