@@ -24,9 +24,12 @@ and the imports (``elastic_train.launch`` does the same for torchrun).
   is refused (exit 2), and the Lighthouse dies with this agent (``quorum.lighthouse``).
 * ``--lighthouse-etcd HOST:PORT,...``: no node owns the Lighthouse. Every agent is a candidate
   for its seat, a lease in the job's etcd (``quorum.seat``; the members of
-  ``python -m elastic_train.etcd_member``); the holder runs it on ``--lighthouse-port``, and
-  when its node dies or freezes another agent takes the seat after ``--lighthouse-ttl`` seconds
-  and runs it there. Workers reach it through a relay on this agent (``quorum.forward``).
+  ``python -m elastic_train.etcd_member``); the holder runs it on ``--lighthouse-port`` (default:
+  a free port; the seat's record carries the address), and when its node dies or freezes another
+  agent takes the seat after ``--lighthouse-ttl`` seconds and runs it there. Workers reach it
+  through a relay on this agent (``quorum.forward``); quorum ids carry the seat's term
+  (``quorum.term``). An agent starts its workers once a Lighthouse holds the seat, and exits 1
+  if none does within ``--lighthouse-wait`` seconds.
 * The job's identity: every worker gets the job id (``--run-id``, else Slurm's, else a new one)
   in ``ELASTIC_TRAIN_QUORUM_JOB`` and the job's secret in ``ELASTIC_TRAIN_QUORUM_SECRET`` (minted
   here on one node; several nodes need one value for every agent, from the environment). A
