@@ -68,6 +68,21 @@ def netns_problem() -> str | None:
     return None
 
 
+REQUIRE_VAR = "ELASTIC_TRAIN_REQUIRE_NETNS"
+
+
+def require_netns() -> None:
+    """Skip the calling test where namespaces cannot be made, saying why; fail instead under
+    ELASTIC_TRAIN_REQUIRE_NETNS=1 (set by .ci/run), where a skip would hide a missing install."""
+    import pytest
+
+    problem = netns_problem()
+    if problem is not None:
+        if os.environ.get(REQUIRE_VAR) == "1":
+            pytest.fail(f"{REQUIRE_VAR}=1 but {problem}")
+        pytest.skip(problem)
+
+
 @dataclass(frozen=True)
 class Host:
     """One host: a namespace with one veth on the bridge."""

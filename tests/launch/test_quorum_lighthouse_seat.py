@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.testing.etcd import EtcdMember, etcd_cluster, require_etcd
+from elastic_train.testing.processes import pid_alive
 from tests.helpers import free_port
 from tests.launch.test_quorum_trainer import STEPS, Job, assert_exactly_once, events
 from tests.launch.test_quorum_trainer import job as job
@@ -46,14 +47,6 @@ def members(tmp_path: Path) -> Iterator[list[EtcdMember]]:
 
 def seated_pids(text: str) -> list[int]:
     return [int(pid) for pid in SEAT.findall(text)]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_the_lighthouses_node_frozen_the_other_node_takes_its_seat_and_trains_on_and_the_thawed_node_heals_back(
@@ -105,7 +98,7 @@ def test_the_lighthouses_node_frozen_the_other_node_takes_its_seat_and_trains_on
     thawed = time.monotonic()
     os.kill(lighthouse0, signal.SIGCONT)
     os.killpg(node0.proc.pid, signal.SIGCONT)
-    job.until("node 0 fencing its Lighthouse", lambda: not alive(lighthouse0), timeout=10)
+    job.until("node 0 fencing its Lighthouse", lambda: not pid_alive(lighthouse0), timeout=10)
     print(f"freeze: node 0's Lighthouse killed {time.monotonic() - thawed:.2f} s after the thaw")
     assert "lost the Lighthouse seat" in node0.out.read_text(), job.output()
     job.until("node 0's replica healing back in", lambda: bool(events(job, 0, "healed", hit)), timeout=90)

@@ -9,7 +9,6 @@ they fail.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.testing.agents import Agent, first_step_after, rendezvous_store, wait_for
-from elastic_train.testing.netns import Host, bridged_hosts, ip, netns_problem
+from elastic_train.testing.netns import Host, bridged_hosts, ip, require_netns
 from tests.impolite import (
     HEAL_RUN,
     RUN,
@@ -39,11 +38,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def netns_available() -> None:
     """Skip (or fail, in CI) where namespaces cannot be made: before any agent starts."""
-    problem = netns_problem()
-    if problem is not None:
-        if os.environ.get("ELASTIC_TRAIN_REQUIRE_NETNS") == "1":
-            pytest.fail(f"ELASTIC_TRAIN_REQUIRE_NETNS=1 but {problem}")
-        pytest.skip(problem)
+    require_netns()
 
 
 @pytest.fixture

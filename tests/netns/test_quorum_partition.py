@@ -16,7 +16,6 @@ Needs root and iproute2 (skips without, fails in CI: ELASTIC_TRAIN_REQUIRE_NETNS
 
 from __future__ import annotations
 
-import os
 import secrets
 import subprocess
 import time
@@ -27,7 +26,7 @@ import pytest
 
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig
 from elastic_train.quorum.names import JOB_VAR, SECRET_VAR
-from elastic_train.testing.netns import Host, bridged_hosts, netns_problem
+from elastic_train.testing.netns import Host, bridged_hosts, require_netns
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged
 from tests.launch import test_quorum_groups as groups_test
 from tests.launch.test_quorum_groups import SURVIVOR, VICTIM, Groups, K, commits
@@ -40,11 +39,7 @@ PORT = 29510
 
 @pytest.fixture
 def hosts() -> Iterator[dict[str, Host]]:
-    problem = netns_problem()
-    if problem is not None:
-        if os.environ.get("ELASTIC_TRAIN_REQUIRE_NETNS") == "1":
-            pytest.fail(f"ELASTIC_TRAIN_REQUIRE_NETNS=1 but {problem}")
-        pytest.skip(problem)
+    require_netns()
     with bridged_hosts(["a", "b"]) as made:
         yield made
 

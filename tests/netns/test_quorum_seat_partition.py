@@ -19,7 +19,6 @@ ELASTIC_TRAIN_REQUIRE_ETCD=1).
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.testing.etcd import etcd_cluster, require_etcd
-from elastic_train.testing.netns import Host, bridged_hosts, netns_problem
+from elastic_train.testing.netns import Host, bridged_hosts, require_netns
 from tests.helpers import TOKEN_VAR, base_env, kill_tagged
 from tests.launch.test_quorum_trainer import Job, _time, assert_exactly_once, events
 from tests.netns.test_quorum_partition import PORT, start
@@ -42,11 +41,7 @@ SEATED = re.compile(r"Lighthouse at \S+ \(pid (\d+)\), bound to \S+, holding its
 
 @pytest.fixture
 def three_hosts() -> Iterator[dict[str, Host]]:
-    problem = netns_problem()
-    if problem is not None:
-        if os.environ.get("ELASTIC_TRAIN_REQUIRE_NETNS") == "1":
-            pytest.fail(f"ELASTIC_TRAIN_REQUIRE_NETNS=1 but {problem}")
-        pytest.skip(problem)
+    require_netns()
     require_etcd()
     with bridged_hosts(["e", "a", "b"]) as made:
         yield made

@@ -53,6 +53,12 @@ def wait_for_latest(job: Job, checkpoints: Path, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
+def assert_one_worker_per_group(run: str) -> None:
+    """A stop is not a failure: the agent restarts no worker for it."""
+    workers = [(int(group), int(restart)) for group, _, restart in WORKER.findall(run)]
+    assert sorted(workers) == [(0, 0), (1, 0)], f"one worker per replica group, none restarted: {workers}"
+
+
 def assert_exactly_once(checkpoints: Path) -> None:
     """The final checkpoint: finished at the last step, every epoch's samples exactly once (the
     sample digest the trainer SUM-reduced over the quorum, against the data order computed here)."""
@@ -81,8 +87,7 @@ def test_a_quorum_job_is_preempted_requeued_and_resumes_with_every_sample_exactl
     for run in (first, second):
         assert "ft quorum" in run and "[quorum-agent] Lighthouse at http://127.0.0.1:" in run, run
         # A stop is not a failure: the agent restarts no worker for it, in either run.
-        workers = [(int(group), int(restart)) for group, _, restart in WORKER.findall(run)]
-        assert sorted(workers) == [(0, 0), (1, 0)], f"one worker per replica group, none restarted: {workers}"
+        assert_one_worker_per_group(run)
     assert "forwarding SIGUSR1" in first, first
     preempted = PREEMPTED.search(first)
     assert preempted, f"the first run was not preempted (did it finish before the signal?):\n{first}"
@@ -121,8 +126,7 @@ def test_a_multinode_quorum_job_with_the_lighthouses_seat_in_etcd_is_preempted_r
     for run in (first, second):
         assert "Lighthouse seat in etcd on" in run and "took the Lighthouse seat" in run, run
         assert SEATED.search(run), run
-        workers = [(int(group), int(restart)) for group, _, restart in WORKER.findall(run)]
-        assert sorted(workers) == [(0, 0), (1, 0)], f"one worker per replica group, none restarted: {workers}"
+        assert_one_worker_per_group(run)
     assert PREEMPTED.search(first), f"the first run was not preempted:\n{first}"
     assert RESUMED.search(second) and "Training completed successfully." in second, second
     assert_exactly_once(tmp_path / "ckpt")
