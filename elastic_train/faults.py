@@ -16,6 +16,9 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
 * ``slow_link`` (``:bytes_per_s=N``): from step S on, this process enters quorum mode's
   gradient average late by gradient bytes / N seconds, as over a link of that speed: its peers
   wait in the collective that long, every step.
+* ``kill_after_claim``: SIGKILL this process right after it, as participant 0, claimed step S
+  in the line record (quorum mode with ``--lighthouse-etcd``): the record's head is then a step
+  nobody applied, which the next quorum must void (``quorum.line``).
 * ``load_error``: reading the checkpoint of step S fails with EIO in this process (quorum
   mode's start of a line: one replica's storage hiccup).
 * ``kill_in_save`` (``:stage=before_shard|after_shard|after_manifest``) / ``enospc``: fired by
@@ -49,7 +52,8 @@ HANDSHAKE_SETTLE_S = 0.2  # after a release's wait: the other process's next cal
 SAVE_KINDS = ("kill_in_save", "enospc", "slow_save")
 LOAD_KINDS = ("load_error",)
 LINK_KINDS = ("slow_link",)
-KINDS = STEP_KINDS + SAVE_KINDS + LOAD_KINDS + LINK_KINDS
+LINE_KINDS = ("kill_after_claim",)
+KINDS = STEP_KINDS + SAVE_KINDS + LOAD_KINDS + LINK_KINDS + LINE_KINDS
 HINT = f"write e.g. {ENV_VAR}='kill:rank=1:step=7,raise:rank=0:step=3:always'"
 
 log = structlog.get_logger(__name__)

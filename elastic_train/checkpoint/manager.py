@@ -275,6 +275,10 @@ class Checkpointer:
         # ``alive``, so a save in progress is never mistaken for a hang. Waits inside collectives
         # (a peer that froze mid-commit) do not call it: those are what the watchdog is for.
         self.heartbeat: Callable[[], None] | None = None
+        # Asked on the committing rank before a step's manifest is written:
+        # None lets the save commit, a reason refuses it (quorum mode's line record: a step
+        # the record does not confirm is never a checkpoint, ``quorum.line``).
+        self.commit_guard: Callable[[int], str | None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -600,6 +604,12 @@ class Checkpointer:
         return bool(flag.item())
 
     def _write_manifest(self, snap: Snapshot, folder: Path, results: list[ShardResult]) -> bool:
+        # The guard's verdict is durable once given (quorum mode's line record: a confirmed or
+        # pinned step stays so), so it is asked before the lock's short critical section.
+        refused = self.commit_guard(snap.step) if self.commit_guard is not None else None
+        if refused is not None:
+            log.error("checkpoint_failed", step=snap.step, rank=self.env.rank, error=refused, detail="not committed")
+            return False
         with self.lock.still_held() as held:  # no takeover between this check and the move of latest
             if not held:
                 log.error(

@@ -27,9 +27,9 @@ from typing import ClassVar
 import torch
 
 MAX_EXACT = 1 << 53  # float64 represents every integer below this exactly
-# present flag (and timeline length), commits, train step, epoch, evaluating, lineage, timeline
-# in four 16-bit pieces
-FIELDS = 10
+# present flag (and timeline length), commits, train step, epoch, evaluating, lineage, tip in two
+# 32-bit pieces, timeline in four 16-bit pieces
+FIELDS = 12
 _TIMELINE_PIECES = 4
 
 
@@ -80,12 +80,17 @@ class QuorumPosition:
     evaluating: bool  # the epoch's batches are done, its evaluation round is not
     lineage: int  # the line of training: minted when a quorum starts from a checkpoint or seed
     timeline: str  # the checkpoints' timeline (``Checkpointer.timeline``), 16 hex digits or ""
+    # The quorum id that committed its last step (0 at its line's start): replicas at one step
+    # of one lineage differ here when two quorums committed that step (``quorum.line``).
+    tip: int = 0
 
     def __post_init__(self) -> None:
         for name in ("commits", "train_step", "epoch", "lineage"):
             value = getattr(self, name)
             if not 0 <= value < MAX_EXACT:
                 raise ValueError(f"{name}={value} cannot travel exactly in float64 (0 <= value < 2^53)")
+        if not 0 <= self.tip < 1 << 64:
+            raise ValueError(f"tip={self.tip} is not a 64-bit quorum id")
         _timeline_pieces(self.timeline)
 
     def row(self) -> list[float]:
@@ -93,7 +98,8 @@ class QuorumPosition:
         # the pieces alone cannot tell "0ab" from "ab".
         flag = 1 + 2 * len(self.timeline)
         fields = [flag, self.commits, self.train_step, self.epoch, int(self.evaluating), self.lineage]
-        return [float(v) for v in (*fields, *_timeline_pieces(self.timeline))]
+        tip = divmod(self.tip, 1 << 32)
+        return [float(v) for v in (*fields, *tip, *_timeline_pieces(self.timeline))]
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> QuorumPosition:
@@ -104,13 +110,15 @@ class QuorumPosition:
         length, odd = divmod(flag - 1, 2)
         if odd or not 0 <= length <= 16 or evaluating not in (0, 1):
             raise ValueError(f"a position row was written by no participant or by two: {list(row)}")
-        return cls(commits, train_step, epoch, bool(evaluating), lineage, _timeline_text(values[6:], length))
+        tip = (values[6] << 32) + values[7]
+        return cls(commits, train_step, epoch, bool(evaluating), lineage, _timeline_text(values[8:], length), tip)
 
     def describe(self) -> str:
         what = "evaluating epoch" if self.evaluating else "training after step"
         return (
             f"{what} {self.epoch + 1 if self.evaluating else self.train_step} "
-            f"(manager step {self.commits}, lineage {self.lineage:x}, timeline {self.timeline or '-'})"
+            f"(manager step {self.commits}, lineage {self.lineage:x}, timeline {self.timeline or '-'}, "
+            f"committed by quorum {self.tip})"
         )
 
 

@@ -75,6 +75,7 @@ from elastic_train.outcome import ExitCode
 from elastic_train.quorum import identity
 from elastic_train.quorum.forward import Forwarder
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken, _check_port_free
+from elastic_train.quorum.line import LINE_VAR
 from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, JOB_VAR, LAUNCHER_THREADS_VAR, SECRET_VAR, WARM_ARGV_VAR
 from elastic_train.quorum.seat import Holder, Seat, SeatConfig
 from elastic_train.quorum.term import TERM_FILE_VAR, write_term
@@ -417,6 +418,8 @@ class Agent:
             "TORCHFT_LIGHTHOUSE": self.lighthouse,
             GROUPS_VAR: str(self.args.nnodes * self.args.nproc_per_node),
             **({TERM_FILE_VAR: str(self.seated.term_file)} if self.seated is not None else {}),
+            # The line record lives with the seat: the same members (``quorum.line``).
+            **({LINE_VAR: ",".join(self.seated.seat.config.endpoints)} if self.seated is not None else {}),
             "OMP_NUM_THREADS": self.threads,
             **({LAUNCHER_THREADS_VAR: self.threads} if self.threads_are_ours else {}),
         }

@@ -36,6 +36,7 @@ from elastic_train.logs import Console, MetricsFile, attach_rank_log
 from elastic_train.outcome import ExitCode, continue_hint, stop_marker, write_stop_marker
 from elastic_train.quorum import warm
 from elastic_train.quorum.group_comm import GroupComm
+from elastic_train.quorum.line import ledger_from_env
 from elastic_train.quorum.names import GROUPS_VAR
 from elastic_train.quorum.replica import Replica, ReplicaConfig
 from elastic_train.quorum.strategy import QuorumStrategy, Rejoin
@@ -176,7 +177,8 @@ def _run(
             f"pass --batch-size {workers} or more, or launch fewer replica groups or workers per group",
         )
     comm = GroupComm.of_default_group()
-    strategy = QuorumStrategy(cfg, checkpointer, preemption, watchdog, groups, faults, clock.started, comm)
+    ledger = ledger_from_env(config.job)  # the line record, when the agent moves the Lighthouse by a lease
+    strategy = QuorumStrategy(cfg, checkpointer, preemption, watchdog, groups, faults, clock.started, comm, ledger)
     init = None
     if cfg.init_from is not None and latest_target(cfg.checkpoint_dir) is None:
         # --init-from on a fresh job: every replica the same weights (no checkpoint yet; once

@@ -20,10 +20,11 @@ thaws, the agent's first look at the clock kills its Lighthouse). Clocks are ``C
 (it counts while a process is stopped or the host suspended); the assumption is the usual one of
 leases, that no clock runs ``margin_s`` per ``ttl_s`` slower than etcd's.
 
-What this does not give (docs/fault-tolerance.md, "The coordinator"): a quorum formed by the old
-Lighthouse just before its fence still finishes its step, and a side cut off from etcd and from
-the other replicas commits steps until its fence, steps the other side then trains again on its
-own line. Those lines meet only through the position check (lineages differ: never averaged).
+What this does not give alone: a side cut off from etcd and from the other replicas forms
+quorums of its own until its fence, and a quorum formed by the old Lighthouse just before the
+fence still finishes its step. Their commits are kept off the line by the line record in the
+same etcd (``quorum.line``): each step is claimed there before it commits, and a side cut off
+from etcd claims nothing (docs/fault-tolerance.md, "The coordinator").
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Holder:
     term: int  # etcd's createdIndex of the key: grows with every new holder
 
 
-def _unreachable() -> tuple[type[BaseException], ...]:
+def unreachable() -> tuple[type[BaseException], ...]:
     """What a request to a member that is down, frozen or cut off raises: try another member."""
     import etcd
     import urllib3
@@ -123,7 +124,7 @@ class Members:
     and urllib3 retries each request three more times on a timeout (4 x ``read_timeout`` on a
     frozen member, longer than the fence allows)."""
 
-    def __init__(self, config: SeatConfig) -> None:
+    def __init__(self, endpoints: tuple[str, ...], read_timeout_s: float) -> None:
         import etcd  # python-etcd: the client torch's etcd rendezvous uses too ('elastic-train[etcd]')
         import urllib3
 
@@ -131,10 +132,10 @@ class Members:
         # module says what matters, once in a while (Seat._report).
         logging.getLogger("etcd").setLevel(logging.CRITICAL)
         self.clients = []
-        for endpoint in config.endpoints:
+        for endpoint in endpoints:
             host, port = split_endpoint(endpoint, "--lighthouse-etcd endpoint")
-            client = etcd.Client(host=host, port=port, read_timeout=config.read_timeout_s, allow_reconnect=False)
-            client.http = urllib3.PoolManager(num_pools=2, maxsize=2, retries=False, timeout=config.read_timeout_s)
+            client = etcd.Client(host=host, port=port, read_timeout=read_timeout_s, allow_reconnect=False)
+            client.http = urllib3.PoolManager(num_pools=2, maxsize=2, retries=False, timeout=read_timeout_s)
             self.clients.append(client)
         self.current = 0
 
@@ -145,7 +146,7 @@ class Members:
         for _ in self.clients:
             try:
                 return request(self.clients[self.current])
-            except _unreachable() as exc:
+            except unreachable() as exc:
                 last = exc
                 self.current = (self.current + 1) % len(self.clients)
         assert last is not None
@@ -161,7 +162,7 @@ class Seat:
         self.config = config
         self.nonce = uuid.uuid4().hex
         self.value = json.dumps({"address": config.address, "agent": self.nonce})
-        self._members = members if members is not None else Members(config)
+        self._members = members if members is not None else Members(config.endpoints, config.read_timeout_s)
         self._lock = threading.Lock()
         self._mine_until = 0.0  # while now() is below it, this agent's Lighthouse may serve
         self._term = 0  # the term this agent holds (when it does)

@@ -41,8 +41,12 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -79,6 +83,17 @@ from elastic_train.quorum.agreement import (
     timeline_key,
 )
 from elastic_train.quorum.group_comm import GroupComm
+from elastic_train.quorum.line import (
+    CLAIMANTS,
+    Claim,
+    LineAlive,
+    LineLedger,
+    Version,
+    agreed,
+    claims_block,
+    decode_claims,
+    on_line,
+)
 from elastic_train.quorum.replica import Replica, StepAttempt
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
 from elastic_train.quorum.timeouts import WaitBound
@@ -103,6 +118,7 @@ STATS = DIGEST + 4
 # earlier run's: the same epoch there does not stand for this job's line.
 METRICS_CLOCK_SLACK_S = 60.0
 MAX_DISCARDS = 20  # attempts in a row before a worker gives up (see ``fit``)
+CLAIM_RETRY_S = 1.0  # the pause after an attempt whose claims were refused
 PROGRESS_EVERY = 5  # committed steps between "committed" log events (each replica's progress)
 
 
@@ -145,6 +161,8 @@ class QuorumProgress:
     # quorum starts from a checkpoint or from the seed, taken over with a heal. Two replicas at
     # the same position on different lines hold different weights and must not average.
     lineage: int = 0
+    # The quorum id that committed the last step (0 at the line's start; ``line.Version``).
+    tip: int = 0
 
     def accounting(self) -> Accounting:
         return Accounting(
@@ -228,6 +246,7 @@ class QuorumStrategy:
         faults: FaultInjector | None = None,
         job_start: float | None = None,
         comm: GroupComm | None = None,
+        ledger: LineLedger | None = None,
     ) -> None:
         self.cfg = cfg
         # This worker's replica group (K workers, DDP or FSDP2 inside it; one by default).
@@ -262,6 +281,18 @@ class QuorumStrategy:
         self._world, self._discarded, self._quorum_id = 0, 0, -1
         self._last_commit = time.perf_counter()
         self._began = self._last_commit
+        # The line record in etcd (``quorum.line``, with --lighthouse-etcd): participant 0 claims
+        # each step there, on a thread of its own while the step's forward and backward run.
+        self.ledger = ledger
+        self._claimer = ThreadPoolExecutor(1, thread_name_prefix="line-claim") if ledger is not None else None
+        # This participant's claim of the attempt: (claimant slot, the version claimed, the answer).
+        self._claim: tuple[int, Version, Future[Claim] | Claim] | None = None
+        self._agreed: Version | None = None  # the version the attempt's claims agreed on
+        self._refusal = ""  # why the last claims were refused (the discards' error names it)
+        self._start_failures = 0  # starts of a line in a row whose record etcd did not take
+        self._saving: dict[int, tuple[int, Version]] = {}  # train step -> (lineage, version) being saved
+        if ledger is not None:
+            checkpointer.commit_guard = self._may_commit_checkpoint
 
     # ------------------------------------------------------------------ the loop's model
     def wrap(self, module: nn.Module, loop: Trainer) -> nn.Module:
@@ -364,8 +395,18 @@ class QuorumStrategy:
         state = self.loop.state
         timeline = timeline_key(self.checkpointer.timeline)
         return QuorumPosition(
-            self.commits, state.step, state.epoch, self.loop.evaluating, self.progress.lineage, timeline
+            self.commits,
+            state.step,
+            state.epoch,
+            self.loop.evaluating,
+            self.progress.lineage,
+            timeline,
+            self.progress.tip,
         )
+
+    def version(self) -> Version:
+        """Where this replica stands on its line (``quorum.line``)."""
+        return Version(self.commits, self.progress.tip)
 
     def _check_step(self, replica: Replica) -> None:
         """The Manager step is a function of the position, on every replica (a heal brings
@@ -421,9 +462,44 @@ class QuorumStrategy:
         if attempt.step == 0 and self._start_line(replica, attempt):
             loop.restart_clock()
             return None
+        if not loop.over:
+            self._begin_claim(attempt)
         if loop.over or loop.evaluating:
             return Attempt(attempt.world, attempt.rank, None)
         return Attempt(attempt.world, attempt.rank, *self._share(attempt))
+
+    def _begin_claim(self, attempt: StepAttempt) -> None:
+        """The attempt's claimants (the first groups' first workers) claim its step: in the line
+        record when there is one (on the claim thread, answered in the first collective), else
+        participant 0 alone, at once (the quorum's id still travels, so that every participant
+        records the same ``tip``)."""
+        self._claim, self._agreed, self._refusal = None, None, ""
+        group, inside = divmod(attempt.rank, self.comm.size)
+        if inside != 0 or group >= (CLAIMANTS if self.ledger is not None else 1):
+            return
+        new = Version(self.commits + 1, self.replica.quorum_id)
+        if self.ledger is None or self._claimer is None:
+            self._claim = (group, new, Claim(True, new))
+            return
+        self._claim = (group, new, self._claimer.submit(self.ledger.claim, self.progress.lineage, self.version(), new))
+
+    def _claim_block(self, bound_s: float) -> tuple[torch.Tensor, Claim | None]:
+        """This participant's addend for the claims, and its own claim (None: not a claimant).
+        The answer is awaited at most ``bound_s`` (the peers wait for it in the collective): a
+        later one counts as refused (a swap that lands late is an unapplied head, which the
+        next attempt voids or finds already made)."""
+        if self._claim is None:
+            return claims_block(None, None), None
+        slot, new, answer = self._claim
+        if isinstance(answer, Future):
+            try:
+                answer = answer.result(timeout=bound_s)
+            except FutureTimeout:
+                answer = Claim(False, new, None, f"etcd did not answer the claim within {bound_s:.1f} s")
+        training = answer.ok and not self.loop.evaluating  # the fault names a training step
+        if training and self.faults is not None and self.faults.fires("kill_after_claim", self.loop.state.step + 1):
+            os.kill(os.getpid(), signal.SIGKILL)  # claimed, not applied anywhere: the next quorum voids it
+        return claims_block(answer, slot), answer
 
     def _share(self, attempt: StepAttempt) -> tuple[Share, bool]:
         """This replica's share, less what a salvaged attempt of the same step already trained.
@@ -496,8 +572,9 @@ class QuorumStrategy:
         commits, and a participant that differs from participant 0 raises ``Rejoin``."""
         replica = self.replica
         block = position_block(self.position(), attempt.rank, attempt.world)
-        both = torch.cat([stats, block])
         bound = timeout_s if timeout_s is not None else self.exchange_bound.seconds()
+        claim_block, own_claim = self._claim_block(0.5 * bound)
+        both = torch.cat([stats, block, claim_block])
         began = time.perf_counter()
         summed = replica.sum(both, timeout_s=bound)
         if not summed:
@@ -512,11 +589,20 @@ class QuorumStrategy:
         if timeout_s is None:
             self.exchange_bound.record(time.perf_counter() - began)
         try:
-            disagreement = check(decode(both[stats.numel() :], attempt.world), attempt.rank)
+            positions = decode(both[stats.numel() : -claim_block.numel()], attempt.world)
+            claims = decode_claims(both[-claim_block.numel() :])
         except ValueError as exc:  # a row written by none or by two: the membership is not what we think
             replica.refuse(f"position exchange garbled: {exc}")
             log.error("position_exchange_garbled", step=self.loop.state.step, error=str(exc))
             return None
+        disagreement = check(positions, attempt.rank)
+        version = agreed(claims)
+        if version is None:
+            self._refused_claims(attempt, claims, own_claim, positions)
+            return None
+        if own_claim is not None and own_claim.voided is not None:
+            log.warning("line_claim_voided", step=self.loop.state.step, voided=str(own_claim.voided), by=str(version))
+        self._agreed = version
         if disagreement is not None:
             why = disagreement.explain(attempt.rank)
             replica.refuse(why)
@@ -525,6 +611,51 @@ class QuorumStrategy:
                 raise Rejoin(why)
             return None
         return both[: stats.numel()]
+
+    def _refused_claims(
+        self, attempt: Attempt, claims: dict[int, Claim], own: Claim | None, positions: list[QuorumPosition]
+    ) -> None:
+        """No claim of the attempt was taken (or the claimants claimed different versions):
+        nothing commits. A replica whose state the record says is not the line's leaves and
+        heals; the others try again (a live replica holding the line's head heals them)."""
+        reasons = [c.why for c in claims.values() if c.why] + ([own.why] if own is not None and own.why else [])
+        why = reasons[0] if reasons else "no claim of the attempt was taken by the line record"
+        if len({c.new for c in claims.values()}) > 1:
+            why = f"the claimants claimed different versions ({sorted(str(c.new) for c in claims.values())})"
+        self._refusal = why
+        self.replica.refuse(why)
+        mine, lineage = self.version(), self.progress.lineage
+        log.warning("line_claim_refused", step=self.loop.state.step, world=attempt.world, mine=str(mine), detail=why)
+        k = self.comm.size
+        me = (lineage, mine.commits, mine.tip)
+        # A claimant read the whole record (void list included): a replica standing where an
+        # off-line claimant stands is off the line too. The others read its lineage and head.
+        off = (own is not None and own.off) or any(
+            c.off and (positions[slot * k].lineage, positions[slot * k].commits, positions[slot * k].tip) == me
+            for slot, c in claims.items()
+            if slot * k < len(positions)
+        )
+        found = next((c.found for c in claims.values() if c.found is not None), None)
+        if off or not on_line(found, lineage, mine):
+            raise Rejoin(
+                f"this replica's state ({mine}, lineage {lineage:x}) is not on the job's line: the line record "
+                f"holds {found.head if found is not None else '-'} of lineage {found.lineage if found else 0:x}; "
+                "restarting to heal from a replica on it"
+            )
+        # Nothing changes by trying again at once (etcd out of reach fails in microseconds when
+        # the route is gone): paced, the attempts in a row that end a worker span ~20 s.
+        time.sleep(CLAIM_RETRY_S)
+
+    def _may_commit_checkpoint(self, step: int) -> str | None:
+        """The checkpointer's guard, before a save of ``step`` commits: the line record must
+        confirm the version saved (``LineLedger.check_commit``)."""
+        saving = self._saving.pop(step, None)
+        for older in [s for s in self._saving if s < step]:  # saves that failed before their commit
+            del self._saving[older]
+        if self.ledger is None or saving is None:
+            return None if self.ledger is None else f"step {step} was not saved by this strategy"
+        lineage, version = saving
+        return self.ledger.check_commit(lineage, version)
 
     def _average_gradients(self) -> bool:
         bound = self.gradient_bound.seconds()
@@ -609,6 +740,14 @@ class QuorumStrategy:
             # A replica that heartbeats but whose collectives always fail (gloo bound to the
             # wrong interface, a firewall, a timeout shorter than the allreduce) would keep
             # every quorum failing forever: end this worker, with the likely causes.
+            if self._refusal:  # the collectives worked: the line record in etcd refused the step
+                raise RuntimeError(
+                    f"{self._discarded} attempts in a row at step {step} were discarded (world {attempt.world}): "
+                    f"the line record refused them ({self._refusal}). Check that etcd's members "
+                    f"({','.join(self.ledger.endpoints) if self.ledger else '-'}) answer from every node; when a "
+                    "replica holding the line's head is cut off, the others wait for it (docs/fault-tolerance.md, "
+                    "'The line record')"
+                )
             raise RuntimeError(
                 f"{self._discarded} attempts in a row at step {step} were discarded (world {attempt.world}): the "
                 "replicas reach the Lighthouse but not each other. Check GLOO_SOCKET_IFNAME (the "
@@ -620,6 +759,8 @@ class QuorumStrategy:
         """What a membership change cost (goodput): the time from the previous commit,
         including the discarded attempts, detection, the new quorum and any heal."""
         now, p, step = time.perf_counter(), self.progress, self.loop.state.step
+        if self._agreed is not None:  # the version the claims agreed on, the same on every participant
+            p.tip, self._agreed = self._agreed.tip, None
         if attempt.world != self._world or self._discarded:
             log.info(
                 "quorum_changed",
@@ -757,6 +898,8 @@ class QuorumStrategy:
             )
             return False
         self._last_save = time.monotonic()
+        if self.ledger is not None and self.comm.is_first:  # what the commit guard asks the record about
+            self._saving[step] = (self.progress.lineage, self.version())
         return ck.save(self._snapshot(), sync=sync)
 
     def _snapshot(self) -> Snapshot:
@@ -813,6 +956,8 @@ class QuorumStrategy:
         loaded: Loaded | None = None
         if attempt.rank == 0:
             choice, loaded = self._choose_line()
+            if choice is not None and not self._start_record(choice, loaded):
+                choice, loaded = None, None
         block = choice.block() if choice is not None else empty_block()
         # Waits for participant 0's choice (it reads and verifies the checkpoint): the bound of
         # the watchdog's limit, as an evaluation round's.
@@ -834,7 +979,7 @@ class QuorumStrategy:
             loaded = self._load_chosen(agreed)
         if loaded is not None:
             self.restore(loaded)
-        self.progress.lineage = agreed.lineage
+        self.progress.lineage, self.progress.tip = agreed.lineage, 0
         self.checkpointer.timeline = self.progress.timeline = agreed.timeline
         log.info("line_started", lineage=f"{agreed.lineage:x}", timeline=agreed.timeline, checkpoint=agreed.checkpoint)
         if loaded is None:
@@ -843,6 +988,32 @@ class QuorumStrategy:
         m = loaded.manifest
         self.loop.console.line(f"Resumed from {loaded.folder} at epoch {m.epoch + 1}, step {m.step}")
         log.info("resumed", path=str(loaded.folder), step=loaded.manifest.step, saved_world_size=loaded.world_size)
+        return True
+
+    def _start_record(self, choice: LineChoice, loaded: Loaded | None) -> bool:
+        """Participant 0, before its choice travels: the line record names the new line, so a
+        replica still on an earlier one (cut off while every other replica restarted) can never
+        claim on it again. False: etcd did not answer; the line is chosen again."""
+        if self.ledger is None:
+            return True
+        commits = expected_commits(loaded.position.step, loaded.position.epoch) if loaded is not None else 0
+        try:
+            # Watched within the others' wait for this choice (the evaluation bound).
+            self.ledger.start(choice.lineage, Version(commits, 0), watch_cap_s=0.4 * self.eval_timeout_s)
+        except LineAlive as exc:  # a live replica holds the line: it heals the ones at step 0
+            log.warning("line_alive", detail=str(exc), checkpoint_step=commits)
+            return False
+        except Exception as exc:  # no record, no line: every participant retries
+            self._start_failures += 1
+            log.warning("line_record_unwritten", lineage=f"{choice.lineage:x}", error=f"{type(exc).__name__}: {exc}")
+            if self._start_failures >= MAX_DISCARDS:
+                raise RuntimeError(
+                    f"the line record could not be written {self._start_failures} times in a row "
+                    f"({type(exc).__name__}: {exc}): check that etcd's members ({','.join(self.ledger.endpoints)}) "
+                    "answer from this node"
+                ) from exc
+            return False
+        self._start_failures = 0
         return True
 
     def _choose_line(self) -> tuple[LineChoice | None, Loaded | None]:

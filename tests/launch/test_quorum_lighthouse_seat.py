@@ -161,3 +161,35 @@ def test_the_seats_lighthouse_killed_alone_is_replaced_under_a_new_term_without_
     assert job.wait(node0) == 0 and job.wait(node1) == 0, job.output()
     assert [w[2] for w in node0.workers() + node1.workers()] == [0, 0], "a worker restarted"
     assert_exactly_once(job.base, epochs=EPOCHS)
+
+
+def test_participant_0_killed_after_its_claim_the_survivor_voids_the_claim_and_trains_on(
+    job: Job, members: list[EtcdMember]
+) -> None:
+    """The line record's commonest failure: participant 0 (node 0's replica) is SIGKILLed right
+    after its claim of step S reached etcd, before any participant applied it. Node 1's next
+    quorum stands where the claim came from: it voids the claim and commits step S itself,
+    without a restart; node 0's worker restarts and heals from node 1 (``quorum.line``)."""
+    endpoints = ",".join(m.client for m in members)
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"seat-void-{free_port()}"]
+    seat = ["--lighthouse-etcd", endpoints, "--lighthouse-ttl", str(TTL)]
+    step = 2 * STEPS + STEPS // 2  # mid-epoch 3: node 1 has long joined (asserted below)
+    job.env["ELASTIC_TRAIN_FAULTS"] = f"kill_after_claim:rank=0:step={step}"
+    node0 = job.start(*common, *seat, "--node-rank", "0", name="node0", flags=LONGER)
+    del job.env["ELASTIC_TRAIN_FAULTS"]
+    job.until("node 0 holding the seat and training", lambda: job.committed_steps(0) >= 3)
+    node1 = job.start(*common, *seat, "--node-rank", "1", name="node1", flags=LONGER)
+    job.until("node 1 healed into the quorum", lambda: bool(events(job, 1, "healed")))
+    assert events(job, 1, "healed")[0]["to_step"] < step - 5, "node 1 joined too late for the test's step"
+    worker1 = node1.pid(1)
+    # Voided by node 1's quorum alone, or (should node 0's replacement rejoin first) by the two.
+    voids = lambda: events(job, 1, "line_claim_voided") + events(job, 0, "line_claim_voided")  # noqa: E731
+    job.until("the claim voided", lambda: bool(voids()), timeout=90)
+    voided = voids()[0]
+    commits = step + (step - 1) // STEPS  # the Manager step: batches and evaluation rounds
+    assert voided["step"] == step - 1 and voided["voided"].startswith(f"step {commits} "), voided
+    job.until("node 0's replica healing back in", lambda: len(events(job, 0, "healed")) >= 1, timeout=90)
+    assert job.wait(node0) == 0 and job.wait(node1) == 0, job.output()
+    assert node1.workers() == [(1, worker1, 0)], "node 1's worker was restarted: the survivor trains on"
+    assert [w[2] for w in node0.workers()] == [0, 1], "node 0's worker must have died once (the fault)"
+    assert_exactly_once(job.base, epochs=EPOCHS)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from elastic_train.checkpoint.manager import new_timeline
 from elastic_train.quorum.agreement import (
+    FIELDS,
     MAX_EXACT,
     LineChoice,
     QuorumPosition,
@@ -30,6 +31,7 @@ positions = st.builds(
     evaluating=st.booleans(),
     lineage=st.integers(0, MAX_EXACT - 1),
     timeline=timelines,
+    tip=st.integers(0, (1 << 64) - 1),  # term-carrying quorum ids (``quorum.term``) reach 2^63
 )
 
 
@@ -72,7 +74,7 @@ def test_a_missing_or_doubled_row_is_refused_not_misread() -> None:
     position = QuorumPosition(3, 3, 0, False, 7, "ab")
     block = summed([position, position])
     with pytest.raises(ValueError, match="no participant or by two"):
-        decode(block * torch.tensor([1.0] * 10 + [0.0] * 10, dtype=torch.float64), 2)  # participant 1 silent
+        decode(block * torch.tensor([1.0] * FIELDS + [0.0] * FIELDS, dtype=torch.float64), 2)  # participant 1 silent
     with pytest.raises(ValueError):
         decode(block * 2, 2)
 
