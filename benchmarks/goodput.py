@@ -9,7 +9,10 @@ checkpoints every 2 steps) is launched four ways:
 * ``quorum``: ``python -m elastic_train.quorum.launch --nproc-per-node 2 --max-restarts 100``
   (``--ft quorum``: the survivor keeps training, the killed worker is forked again and heals);
 * ``fsdp``: ``torchrun`` as above with ``--parallel fsdp`` (FSDP2: parameters, gradients and
-  optimizer state sharded over the 2 workers; each checkpoint rank writes its own pieces).
+  optimizer state sharded over the 2 workers; each checkpoint rank writes its own pieces);
+* ``quorum-etcd``: ``quorum`` with ``--lighthouse-etcd`` (three etcd members on loopback, started
+  for the benchmark): the Lighthouse's seat and the line record, each step claimed in etcd
+  before it commits (``quorum.line``): what that costs, fault-free and under kills.
 
 For each mode ``--soaks`` rounds of one run without failures and one in which ``jobs/chaos.py``
 SIGKILLs a random worker every ``--mtbf`` seconds (seeded), the modes interleaved; a mode's
@@ -80,6 +83,7 @@ LAUNCH = {
         "100",
     ],
 }
+LAUNCH["quorum-etcd"] = list(LAUNCH["quorum"])  # + --lighthouse-etcd, once its members run (main)
 MODE_FLAGS = {"fsdp": ["--parallel", "fsdp"]}
 WORKER = re.compile(r"replica group (\d+): worker pid (\d+)")
 
@@ -116,7 +120,8 @@ def events(base: Path, name: str) -> list[dict[str, Any]]:
 def run(mode: str, base: Path, epochs: int, mtbf: float | None, seed: int, spacing: str = "fixed") -> dict[str, Any]:
     """One launch, optionally with chaos; returns its wall time, kills and output."""
     env = base_env()
-    command = [*LAUNCH[mode], "-m", "elastic_train", *train_flags(epochs, base), *MODE_FLAGS.get(mode, [])]
+    run_id = ["--run-id", f"bench-{base.name}"] if mode == "quorum-etcd" else []  # the seat's key is the job's
+    command = [*LAUNCH[mode], *run_id, "-m", "elastic_train", *train_flags(epochs, base), *MODE_FLAGS.get(mode, [])]
     out = base / "launch.out"
     chaos = None
     started = time.monotonic()
@@ -312,7 +317,7 @@ def summarise(
     step_s = fault_free_step_s(ff["base"], epochs)
     splits = []
     for s in soaks:
-        if mode == "quorum":
+        if mode.startswith("quorum"):
             pids = {int(pid): int(g) for g, pid in WORKER.findall((s["base"] / "launch.out").read_text())}
             splits.append(split_quorum(s["base"], s["kills"], pids))
         else:
@@ -352,39 +357,53 @@ def main(argv: Sequence[str] | None = None) -> None:
         return Path(keep[-1].name)
 
     try:
-        # Each round runs every mode once without and once with failures, the order rotating: a
-        # fault-free reference from one quiet moment and soaks from a busier one would measure
-        # the machine, not the recovery (a first version did: soaks "faster" than fault-free).
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-        soaks: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-        for i in range(args.soaks):
-            for m in modes[i % len(modes) :] + modes[: i % len(modes)]:
-                runs[m].append(run(m, fresh(), args.epochs, None, 0))
-                soaks[m].append(run(m, fresh(), args.epochs, args.mtbf, seed=100 + i, spacing=args.spacing))
-                f, s = runs[m][-1], soaks[m][-1]
-                print(f"{m}: round {i + 1}: fault-free {f['wall_s']:.1f} s, soak {s['wall_s']:.1f} s, "
-                      f"{len(s['kills'])} kills", flush=True)  # fmt: skip
-        ff = {m: {**runs[m][0], "wall_s": statistics.median(r["wall_s"] for r in runs[m])} for m in modes}
-        best = min(ff[m]["wall_s"] for m in modes)
-        result: dict[str, Any] = {
-            "modes": {
-                m: summarise(m, ff[m], [r["wall_s"] for r in runs[m]], soaks[m], best, args.epochs) for m in modes
-            },
-            "soaks": args.soaks,
-            "mtbf_s": args.mtbf,
-            "spacing": args.spacing,
-            "epochs": args.epochs,
-            "train_flags": EXTRA_FLAGS,
-            "reference": min(modes, key=lambda m: ff[m]["wall_s"]),
-            "load_1min_max": max(r["load_1min"] for m in modes for r in runs[m] + soaks[m]),
-        }
-        if "quorum" in modes and args.node_loss_repeats:
-            kill = [node_loss(stop=False) for _ in range(args.node_loss_repeats)]
-            frozen = [node_loss(stop=True) for _ in range(args.node_loss_repeats)]
-            result["quorum_node_loss_s"] = {"kill": kill, "stop": frozen}
+        with contextlib.ExitStack() as stack:
+            if "quorum-etcd" in modes:
+                from elastic_train.testing.etcd import etcd_cluster
+
+                members = stack.enter_context(etcd_cluster(fresh()))
+                LAUNCH["quorum-etcd"] += ["--lighthouse-etcd", ",".join(m.client for m in members)]
+            result = measure(args, modes, fresh)
     finally:
         for tmp in keep:
             tmp.cleanup()
+    report(result, args.json)
+
+
+def measure(args: argparse.Namespace, modes: list[str], fresh: Any) -> dict[str, Any]:
+    """The rounds (fault-free run and soak of each mode), and quorum mode's node loss."""
+    # Each round runs every mode once without and once with failures, the order rotating: a
+    # fault-free reference from one quiet moment and soaks from a busier one would measure
+    # the machine, not the recovery (a first version did: soaks "faster" than fault-free).
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    soaks: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for i in range(args.soaks):
+        for m in modes[i % len(modes) :] + modes[: i % len(modes)]:
+            runs[m].append(run(m, fresh(), args.epochs, None, 0))
+            soaks[m].append(run(m, fresh(), args.epochs, args.mtbf, seed=100 + i, spacing=args.spacing))
+            f, s = runs[m][-1], soaks[m][-1]
+            print(f"{m}: round {i + 1}: fault-free {f['wall_s']:.1f} s, soak {s['wall_s']:.1f} s, "
+                  f"{len(s['kills'])} kills", flush=True)  # fmt: skip
+    ff = {m: {**runs[m][0], "wall_s": statistics.median(r["wall_s"] for r in runs[m])} for m in modes}
+    best = min(ff[m]["wall_s"] for m in modes)
+    result: dict[str, Any] = {
+        "modes": {m: summarise(m, ff[m], [r["wall_s"] for r in runs[m]], soaks[m], best, args.epochs) for m in modes},
+        "soaks": args.soaks,
+        "mtbf_s": args.mtbf,
+        "spacing": args.spacing,
+        "epochs": args.epochs,
+        "train_flags": EXTRA_FLAGS,
+        "reference": min(modes, key=lambda m: ff[m]["wall_s"]),
+        "load_1min_max": max(r["load_1min"] for m in modes for r in runs[m] + soaks[m]),
+    }
+    if "quorum" in modes and args.node_loss_repeats:
+        kill = [node_loss(stop=False) for _ in range(args.node_loss_repeats)]
+        frozen = [node_loss(stop=True) for _ in range(args.node_loss_repeats)]
+        result["quorum_node_loss_s"] = {"kill": kill, "stop": frozen}
+    return result
+
+
+def report(result: dict[str, Any], out: Path | None) -> None:
     for m, r in result["modes"].items():
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["split_s"].items())
         print(
@@ -397,8 +416,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         killed, frozen = statistics.median(nl["kill"]), statistics.median(nl["stop"])
         print(f"quorum node loss -> first step: killed {killed:.2f} s, frozen {frozen:.2f} s")
     result["load_average"] = list(os.getloadavg())
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if out:
+        out.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,11 @@ FULL = {
     ],
 }
 FULL["heal"] = ["--mb", "685", "--repeats", "3"]  # the heal's transfer alone, for goodput-large's state
+# Quorum mode with and without --lighthouse-etcd (the seat and the line record), in rounds of
+# their own: what claiming every step in etcd costs (~13 minutes; 6 epochs, ~55 s a run).
+FULL["goodput-line"] = "--modes quorum,quorum-etcd --soaks 3 --mtbf 30 --epochs 6 --node-loss-repeats 0".split()
 # Rendered when their results exist (a section added after the others were last measured).
-OPTIONAL = {"goodput-fsdp", "goodput-large", "heal"}
+OPTIONAL = {"goodput-fsdp", "goodput-large", "heal", "goodput-line"}
 QUICK = {
     "overhead": ["--repeats", "1", "--epochs", "2", "--steps", "6"],
     "checkpoint": ["--repeats", "1", "--mb", "40", "--saves", "1", "--every", "8"],
@@ -67,6 +70,7 @@ QUICK = {
         LARGE_MODEL + " --max-steps-per-epoch 8",
     ],
     "heal": ["--mb", "50", "--repeats", "1"],
+    "goodput-line": "--modes quorum,quorum-etcd --soaks 1 --mtbf 10 --epochs 2 --node-loss-repeats 0".split(),
 }
 
 
@@ -431,6 +435,8 @@ def render(results: dict[str, dict[str, Any]], quick: bool, when: str) -> str:
         goodput += "\n\n" + goodput_fsdp_section(results["goodput-fsdp"])
     if "goodput-large" in results:
         goodput += "\n\n" + goodput_large_section(results["goodput-large"], results.get("heal"))
+    if "goodput-line" in results:
+        goodput += "\n\n" + goodput_line_section(results["goodput-line"])
     if "heal" in results:
         goodput += "\n\n" + heal_section(results["heal"])
     return f"""# Benchmarks
@@ -539,9 +545,9 @@ def quorum_overhead(g: dict[str, Any]) -> str:
     )
 
 
-def goodput_fsdp_section(g: dict[str, Any]) -> str:
-    """benchmarks/goodput.py --modes torchrun,fsdp: the restart-mode goodput of a sharded model."""
-    r = [g["modes"][m] for m in ("torchrun", "fsdp")]
+def pair_rows(g: dict[str, Any], modes: tuple[str, str]) -> list[str]:
+    """The rows of a two-mode goodput table (each soak against its own round's fault-free run)."""
+    r = [g["modes"][m] for m in modes]
 
     def cells(fmt: Any) -> list[str]:
         return [fmt(x) for x in r]
@@ -549,7 +555,7 @@ def goodput_fsdp_section(g: dict[str, Any]) -> str:
     def joined(x: dict[str, Any], fmt: Any, *keys: str) -> str:
         return ", ".join(fmt(*values) for values in zip(*(x[k] for k in keys), strict=True))
 
-    rows = [
+    return [
         row(
             f"**goodput**: the round's fault-free wall / soak wall, median of {g['soaks']} rounds",
             *cells(lambda x: f"**{x['goodput_vs_own']:.3f}**"),
@@ -574,6 +580,11 @@ def goodput_fsdp_section(g: dict[str, Any]) -> str:
             "final weights: max abs difference from the fault-free run", *cells(lambda x: f"{x['max_weight_diff']:.1e}")
         ),
     ]
+
+
+def goodput_fsdp_section(g: dict[str, Any]) -> str:
+    """benchmarks/goodput.py --modes torchrun,fsdp: the restart-mode goodput of a sharded model."""
+    rows = pair_rows(g, ("torchrun", "fsdp"))
     return f"""### The same with a sharded model: `goodput.py --modes torchrun,fsdp`
 
 Restart mode with `--parallel fsdp` (FSDP2 over the 2 workers: parameters, gradients and optimizer
@@ -582,6 +593,33 @@ state sharded; each rank writes its own pieces of every checkpoint) beside the r
 {kill_spacing(g)}, {g["epochs"]} epochs). Same definitions as above. {goodput_load(g)}
 
 | measure | torchrun (DDP) | torchrun, FSDP2 (`--parallel fsdp`) |
+| --- | --- | --- |
+{chr(10).join(rows)}"""
+
+
+def goodput_line_section(g: dict[str, Any]) -> str:
+    """benchmarks/goodput.py --modes quorum,quorum-etcd: what the seat and the line record cost."""
+    q, e = (g["modes"][m] for m in ("quorum", "quorum-etcd"))
+    slower = e["fault_free_wall_s"] / q["fault_free_wall_s"] - 1
+    rows = [
+        *pair_rows(g, ("quorum", "quorum-etcd")),
+        row(
+            "fault-free wall with the line record / without, medians",
+            "",
+            f"**{1 + slower:.3f}**",
+        ),
+    ]
+    return f"""### Quorum mode with its coordinator in etcd: `goodput.py --modes quorum,quorum-etcd`
+
+Quorum mode as above, and the same job with `--lighthouse-etcd` (three etcd members on loopback,
+started by the benchmark): the Lighthouse's seat is a lease there, and each step is claimed in
+the line record before it commits (docs/fault-tolerance.md, "The line record"), in
+{g["soaks"]} rounds of their own (a fault-free run and a soak of each, kills {kill_spacing(g)},
+{g["epochs"]} epochs). Same definitions as above. {goodput_load(g)} Without failures the job with
+the record ran {100 * slower:+.1f}% against the one without (fault-free medians; the machine's
+own run-to-run spread is in the walls by round).
+
+| measure | quorum | quorum, `--lighthouse-etcd` |
 | --- | --- | --- |
 {chr(10).join(rows)}"""
 

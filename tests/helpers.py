@@ -348,3 +348,17 @@ def summary_drift(reference: Summary, got: Summary) -> dict[str, float]:
         drift["abs_sum"] = max(drift["abs_sum"], abs(new[2] - abs_total) / scale)
         drift["sum_sq"] = max(drift["sum_sq"], abs(new[3] - squares) / max(squares, 1e-30))
     return drift
+
+
+def start_line_now(ledger: Any, lineage: int, origin: Any) -> None:
+    """``LineLedger.start`` without its watch of a line ahead of the origin (watched for twice
+    the record's ``quiet_s``: microseconds between a test's claims): the start of a new line."""
+    from unittest import mock
+
+    from elastic_train.quorum import line
+
+    with mock.patch.object(line, "MIN_WATCH_S", 0.0):
+        deadline = time.monotonic() + 10
+        while not ledger.start(lineage, origin):
+            assert time.monotonic() < deadline, "the start of a line kept watching"
+            time.sleep(0.001)

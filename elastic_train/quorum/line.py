@@ -1,5 +1,5 @@
-"""The line record: which quorum committed each step, kept in etcd, so that two quorums never
-commit different versions of one step (quorum mode with ``--lighthouse-etcd``).
+"""The line record: which quorum committed each step, kept in etcd, so that the job's line holds
+one version of each step, whatever the partitions (quorum mode with ``--lighthouse-etcd``).
 
 The Lighthouse's seat (``quorum.seat``) keeps two Lighthouses from serving at once, but not two
 lines of training from forming one after the other: a holder cut off from etcd and from the
@@ -17,9 +17,11 @@ line's head, the ``Version`` (Manager step, quorum id) of its last claimed commi
   swap, so it commits nothing; one claimant cut off alone stalls nothing.
 * A claim whose step never committed anywhere (its claimant died after the swap, its
   collective failed) is the head but nobody stands on it. The next quorum, standing on the
-  head's predecessor, swaps it out and lists it as void (``void``). A replica that did apply a
-  voided step (its collective succeeded where a peer's failed, and it then lost the others)
-  is off the line: its next claim fails, and it heals (``Rejoin``). A checkpoint commits only
+  head's predecessor, swaps it out and lists it as void (``void``); only a later quorum may
+  (quorum ids grow), so a late claim of an older attempt voids nothing. A replica that did
+  apply a voided step (its collective succeeded where a peer's failed, and it then lost the
+  others) is off the line: the version is never claimed again nor extended, and its replica
+  heals (``Rejoin``; who leaves is the record's call, ``off_line``). A checkpoint commits only
   for a version the record confirms, and a checkpoint of the head pins it first (``pin``): a
   pinned head is never voided.
 * The start of a line (every replica of the quorum at step 0: a launch, a requeue, every replica
@@ -54,6 +56,7 @@ KEY = "/elastic-train/{job}/line"
 LINE_VAR = "ELASTIC_TRAIN_LINE_ETCD"
 MAX_VOID = 256  # voided versions kept: voids are per participant-0 failure, a handful per job
 MIN_WATCH_S = 2.0  # a start of a line watches a line ahead of it at least this long
+MAX_QUIET_S = 3600.0  # a longer pause between claims is recorded as this
 _LOW = 1 << 32
 
 
@@ -88,9 +91,10 @@ class LineRecord:
     prev: Version | None = None
     void: tuple[Version, ...] = ()
     pin: Version | None = None
-    # Seconds between the claimant's last two claims (its own clock's rate only): how long a
-    # start of a line watches the record for a live line (``LineLedger.start``).
-    pace_s: float = 0.0
+    # How long the line may be quiet before its next claim, by the claimant's own clock (its
+    # rate only): the time since its previous claim, or an evaluation round's bound; a start of a
+    # line watches a line ahead of it twice that long (``LineLedger.start``).
+    quiet_s: float = 0.0
 
     def encode(self) -> str:
         return json.dumps(
@@ -100,7 +104,7 @@ class LineRecord:
                 "prev": self.prev.to_json() if self.prev is not None else None,
                 "void": [v.to_json() for v in self.void],
                 "pin": self.pin.to_json() if self.pin is not None else None,
-                "pace_s": round(self.pace_s, 3),
+                "quiet_s": round(min(self.quiet_s, MAX_QUIET_S), 3),
             },
             separators=(",", ":"),
         )
@@ -115,16 +119,16 @@ class LineRecord:
         if not isinstance(void, list):
             raise ValueError(f"a line record's void is a list, got {void!r}")
         optional = {k: Version.from_json(fields[k]) if fields.get(k) is not None else None for k in ("prev", "pin")}
-        pace = fields.get("pace_s", 0.0)
-        if type(pace) not in (int, float) or not 0 <= pace < 1e6:
-            raise ValueError(f"a line record's pace_s is seconds, got {pace!r}")
+        quiet = fields.get("quiet_s", 0.0)
+        if type(quiet) not in (int, float) or not 0 <= quiet <= MAX_QUIET_S:
+            raise ValueError(f"a line record's quiet_s is seconds, got {quiet!r}")
         return cls(
             fields["lineage"],
             Version.from_json(fields.get("head")),
             optional["prev"],
             tuple(Version.from_json(v) for v in void),
             optional["pin"],
-            float(pace),
+            float(quiet),
         )
 
 
@@ -135,26 +139,33 @@ def start_record(lineage: int, origin: Version, found: LineRecord | None) -> Lin
 
 
 def next_record(
-    found: LineRecord | None, lineage: int, mine: Version, new: Version, pace_s: float | None = None
+    found: LineRecord | None, lineage: int, mine: Version, new: Version, quiet_s: float | None = None
 ) -> LineRecord | None:
     """The record once a quorum standing at ``mine`` has claimed ``new`` (one step on), or None
     when the record refuses the claim. ``found`` is the record read (None: there is none, i.e.
     etcd lost its data: the claim recreates it). A returned record equal to ``found`` means the
-    claim is already there (a retry whose first swap succeeded but whose reply was lost)."""
+    claim is already there (a retry whose first swap succeeded but whose reply was lost, or
+    another claimant of the same attempt).
+
+    A head is voided only by a claim from its predecessor by a LATER quorum (quorum ids grow:
+    they carry the Lighthouse's term): an older quorum's claim that lands late, or a quorum of a
+    Lighthouse just fenced, never voids a newer one's step. A voided version is never claimed
+    again nor extended."""
     if new.commits != mine.commits + 1:
         raise ValueError(f"a claim is one step on: {mine} to {new}")
     if found is None:
-        return LineRecord(lineage, new, mine, pace_s=pace_s or 0.0)
-    pace = found.pace_s if pace_s is None else pace_s
-    if found.lineage != lineage:
-        return None  # another line started since: this replica's ended
+        return LineRecord(lineage, new, mine, quiet_s=quiet_s or 0.0)
+    quiet = found.quiet_s if quiet_s is None else quiet_s
+    if found.lineage != lineage or new in found.void or mine in found.void:
+        return None  # another line started since, or a voided version: this replica is off the line
     if found.head == new and found.prev == mine:
         return found
     if found.head == mine:
-        return replace(found, head=new, prev=mine, pace_s=pace)
-    unapplied = found.prev == mine and found.head.commits == new.commits and found.pin != found.head
+        return replace(found, head=new, prev=mine, quiet_s=quiet)
+    head = found.head
+    unapplied = found.prev == mine and head.commits == new.commits and found.pin != head and head.tip < new.tip
     if unapplied:  # a claim from where this quorum stands that no live replica applied: void it
-        return replace(found, head=new, prev=mine, void=(*found.void, found.head)[-MAX_VOID:], pace_s=pace)
+        return replace(found, head=new, prev=mine, void=(*found.void, head)[-MAX_VOID:], quiet_s=quiet)
     return None
 
 
@@ -169,7 +180,7 @@ def confirmed(found: LineRecord | None, lineage: int, version: Version) -> bool:
 def pinned(found: LineRecord | None, lineage: int, version: Version) -> LineRecord | None:
     """The record with ``version`` pinned, when it is the head (a checkpoint of it may then
     commit, and it is never voided); None when it is not the head."""
-    if found is None or found.lineage != lineage or found.head != version:
+    if found is None or found.lineage != lineage or found.head != version or version in found.void:
         return None
     return replace(found, pin=version)
 
@@ -203,9 +214,15 @@ class Claim:
     why: str = ""
     voided: Version | None = None  # the claimant only: the unapplied head this claim voided
     off: bool = False
+    mine_tip: int = 0  # where the claimant stood: (new.commits - 1, mine_tip)
 
-    # written, ok, off, new commits, new tip (2 pieces), record known, lineage, head commits, head tip (2 pieces)
-    SIZE: ClassVar[int] = 11
+    # written, ok, off, new commits, new tip (2 pieces), mine's tip (2 pieces), record known,
+    # lineage, head commits, head tip (2 pieces)
+    SIZE: ClassVar[int] = 13
+
+    @property
+    def mine(self) -> Version:
+        return Version(self.new.commits - 1, self.mine_tip)
 
     def row(self) -> list[int]:
         """Each field an integer below 2^53 (float64 carries it exactly): the tips (up to 2^63)
@@ -214,7 +231,7 @@ class Claim:
         head = self.found.head if self.found is not None else Version(0, 0)
         lineage = self.found.lineage if self.found is not None else 0
         return [
-            1, int(self.ok), int(self.off), self.new.commits, *divmod(self.new.tip, _LOW),
+            1, int(self.ok), int(self.off), self.new.commits, *divmod(self.new.tip, _LOW), *divmod(self.mine_tip, _LOW),
             int(known), lineage, head.commits, *divmod(head.tip, _LOW),
         ]  # fmt: skip
 
@@ -226,11 +243,12 @@ class Claim:
             raise ValueError(f"a claim did not arrive intact: {list(row)}")
         if not any(values):
             return None
-        written, ok, off, commits, tip_hi, tip_lo, known, lineage, head_commits, head_hi, head_lo = values
-        if written != 1 or ok not in (0, 1) or off not in (0, 1) or known not in (0, 1):
+        written, ok, off, commits, tip_hi, tip_lo, mine_hi, mine_lo, known, lineage, head_commits, *head = values
+        if written != 1 or ok not in (0, 1) or off not in (0, 1) or known not in (0, 1) or commits < 1:
             raise ValueError(f"a claim was written by two participants: {values}")
-        found = LineRecord(lineage, Version(head_commits, head_hi * _LOW + head_lo)) if known else None
-        return cls(bool(ok), Version(commits, tip_hi * _LOW + tip_lo), found, off=bool(off))
+        found = LineRecord(lineage, Version(head_commits, head[0] * _LOW + head[1])) if known else None
+        new = Version(commits, tip_hi * _LOW + tip_lo)
+        return cls(bool(ok), new, found, off=bool(off), mine_tip=mine_hi * _LOW + mine_lo)
 
 
 def claims_block(claim: Claim | None, slot: int | None) -> torch.Tensor:
@@ -254,6 +272,27 @@ def agreed(claims: dict[int, Claim]) -> Version | None:
     if not claims or len({c.new for c in claims.values()}) != 1:
         return None
     return next(iter(claims.values())).new if any(c.ok for c in claims.values()) else None
+
+
+def off_line(
+    claims: dict[int, Claim], stands: Sequence[tuple[int, Version]], claimant_index: Callable[[int], int], me: int
+) -> bool:
+    """Whether participant ``me`` must leave and heal, from the attempt's claims and where every
+    participant stands (``stands``: (lineage, version) by participant; ``claimant_index``: the
+    participant of a claimant slot). When a claim was taken, the record says where the line is:
+    the taken claim's starting point, whatever participant 0 holds. When none was, a claimant
+    that read the whole record (its void list included) and found its own version off the line
+    takes every participant standing where it stands with it; the others compare with the
+    record's lineage and head."""
+    lineage, mine = stands[me]
+    taken = [c for c in claims.values() if c.ok]
+    if taken and agreed(claims) is not None:
+        return (lineage, mine) != (stands[claimant_index(next(s for s, c in claims.items() if c.ok))][0], taken[0].mine)
+    for slot, claim in claims.items():
+        if claim.off and claimant_index(slot) < len(stands) and stands[claimant_index(slot)] == (lineage, mine):
+            return True
+    found = next((c.found for c in claims.values() if c.found is not None), None)
+    return not on_line(found, lineage, mine)
 
 
 def empty_claim() -> torch.Tensor:
@@ -281,6 +320,7 @@ class LineLedger:
         self.endpoints = tuple(endpoints)
         self._members = members if members is not None else Members(self.endpoints, read_timeout_s)
         self._last_claim: tuple[int, float] | None = None  # (step claimed, when): the line's pace
+        self._watch: tuple[int | None, float] | None = None  # a start's watch: (index seen, since)
 
     def read(self) -> tuple[LineRecord | None, int | None]:
         """The record and its modified index; (None, None) when there is none. Raises when no
@@ -324,41 +364,48 @@ class LineLedger:
                 return True, wanted
         raise RuntimeError(f"the line record {self.key} changed under {self.ROUNDS} swaps in a row")
 
-    def claim(self, lineage: int, mine: Version, new: Version) -> Claim:
-        """May the attempt commit ``new``? Never raises: etcd out of reach is a refused claim
-        (the attempt is discarded and tried again)."""
+    def claim(self, lineage: int, mine: Version, new: Version, quiet_s: float = 0.0) -> Claim:
+        """May the attempt commit ``new``? ``quiet_s``: how long the line may be quiet after
+        this claim besides the pace of claims (an evaluation round's bound). Never raises: etcd
+        out of reach is a refused claim (the attempt is discarded and tried again)."""
         began = time.monotonic()
         last = self._last_claim
-        pace = began - last[1] if last is not None and last[0] == mine.commits else None
+        pace = began - last[1] if last is not None and last[0] == mine.commits else 0.0
         try:
-            ok, record = self.update(lambda found: next_record(found, lineage, mine, new, pace))
+            ok, record = self.update(lambda found: next_record(found, lineage, mine, new, max(pace, quiet_s)))
         except Exception as exc:  # any failure to reach a verdict refuses the claim
-            return Claim(False, new, None, f"the line record could not be swapped: {type(exc).__name__}: {exc}")
+            why = f"the line record could not be swapped: {type(exc).__name__}: {exc}"
+            return Claim(False, new, None, why, mine_tip=mine.tip)
         if ok:
             assert record is not None
             self._last_claim = (new.commits, began)
             voided = record.void[-1] if record.void and record.void[-1].commits == new.commits else None
-            return Claim(True, new, record, voided=voided if record.prev == mine else None)
+            return Claim(True, new, record, voided=voided if record.prev == mine else None, mine_tip=mine.tip)
         why = f"the line record refuses {new} from {mine}: " + (
             f"its head is {record.head} (lineage {record.lineage:x})" if record is not None else "it is missing"
         )
-        return Claim(False, new, record, why, off=record is not None and not on_line(record, lineage, mine))
+        off = record is not None and not on_line(record, lineage, mine)
+        return Claim(False, new, record, why, off=off, mine_tip=mine.tip)
 
-    def start(self, lineage: int, origin: Version, watch_cap_s: float = 30.0) -> None:
-        """A new line from ``origin`` (the start of a quorum at step 0). When the record's line
-        is ahead of the origin, it is watched first for about two of its steps (its ``pace_s``;
-        at least ``MIN_WATCH_S``, at most ``watch_cap_s``): a line that moves meanwhile has a
-        live replica, which heals the replicas at step 0 once it shares a quorum with them, and
-        ``LineAlive`` is raised instead of ending its line. Raises when etcd does not answer."""
+    def start(self, lineage: int, origin: Version) -> bool:
+        """A new line from ``origin`` (the start of a quorum at step 0): True once written. When
+        the record's line is ahead of the origin, it is watched first, across calls, for twice
+        its ``quiet_s`` (at least ``MIN_WATCH_S``): False while watching; ``LineAlive`` when
+        it moved meanwhile (a live replica holds it, and heals the replicas at step 0 once it
+        shares a quorum with them). Raises when etcd does not answer."""
         found, index = self.read()
         if found is not None and found.head.commits > origin.commits:
-            time.sleep(min(watch_cap_s, max(MIN_WATCH_S, 2 * found.pace_s)))
-            again, now_index = self.read()
-            if now_index != index:
-                raise LineAlive(f"the line record moved on to {again.head if again else '-'} while watched")
+            watching, self._watch = self._watch, None
+            if watching is not None and watching[0] != index:
+                raise LineAlive(f"the line record moved on to {found.head} while watched")
+            if watching is None or time.monotonic() - watching[1] < max(MIN_WATCH_S, 2 * found.quiet_s):
+                self._watch = watching or (index, time.monotonic())
+                return False
+        self._watch = None
         wanted = start_record(lineage, origin, found)
         if not self._swap(wanted, index) and self.read()[0] != wanted:
             raise LineAlive("the line record changed while a new line was written")
+        return True
 
     def check_commit(self, lineage: int, version: Version) -> str | None:
         """Before a checkpoint of ``version`` commits: None when the record confirms it (pinning

@@ -92,7 +92,7 @@ from elastic_train.quorum.line import (
     agreed,
     claims_block,
     decode_claims,
-    on_line,
+    off_line,
 )
 from elastic_train.quorum.replica import Replica, StepAttempt
 from elastic_train.quorum.schedule import QuorumSchedule, StepShare
@@ -287,6 +287,7 @@ class QuorumStrategy:
         self._claimer = ThreadPoolExecutor(1, thread_name_prefix="line-claim") if ledger is not None else None
         # This participant's claim of the attempt: (claimant slot, the version claimed, the answer).
         self._claim: tuple[int, Version, Future[Claim] | Claim] | None = None
+        self._inflight: Future[Claim] | None = None  # the claim thread's current request
         self._agreed: Version | None = None  # the version the attempt's claims agreed on
         self._refusal = ""  # why the last claims were refused (the discards' error names it)
         self._start_failures = 0  # starts of a line in a row whose record etcd did not take
@@ -477,11 +478,22 @@ class QuorumStrategy:
         group, inside = divmod(attempt.rank, self.comm.size)
         if inside != 0 or group >= (CLAIMANTS if self.ledger is not None else 1):
             return
-        new = Version(self.commits + 1, self.replica.quorum_id)
+        new, mine = Version(self.commits + 1, self.replica.quorum_id), self.version()
         if self.ledger is None or self._claimer is None:
-            self._claim = (group, new, Claim(True, new))
+            self._claim = (group, new, Claim(True, new, mine_tip=mine.tip))
             return
-        self._claim = (group, new, self._claimer.submit(self.ledger.claim, self.progress.lineage, self.version(), new))
+        if self._inflight is not None and not self._inflight.done():
+            # An earlier claim still waits for etcd: queued behind it, this one would land late.
+            self._claim = (
+                group,
+                new,
+                Claim(False, new, None, "an earlier claim still waits for etcd", mine_tip=mine.tip),
+            )
+            return
+        # An evaluation round is quiet for up to its bound: a start of a line watches that long.
+        quiet = self.eval_timeout_s if self.loop.evaluating else 0.0
+        self._inflight = self._claimer.submit(self.ledger.claim, self.progress.lineage, mine, new, quiet)
+        self._claim = (group, new, self._inflight)
 
     def _claim_block(self, bound_s: float) -> tuple[torch.Tensor, Claim | None]:
         """This participant's addend for the claims, and its own claim (None: not a claimant).
@@ -607,7 +619,13 @@ class QuorumStrategy:
             why = disagreement.explain(attempt.rank)
             replica.refuse(why)
             log.error("position_mismatch", step=self.loop.state.step, detail=why)
-            if attempt.rank in disagreement.differing:
+            # With the line record the taken claim says where the line is (not participant 0).
+            leave = (
+                self._off_line(attempt, claims, positions)
+                if self.ledger is not None
+                else attempt.rank in disagreement.differing
+            )
+            if leave:
                 raise Rejoin(why)
             return None
         return both[: stats.numel()]
@@ -626,17 +644,9 @@ class QuorumStrategy:
         self.replica.refuse(why)
         mine, lineage = self.version(), self.progress.lineage
         log.warning("line_claim_refused", step=self.loop.state.step, world=attempt.world, mine=str(mine), detail=why)
-        k = self.comm.size
-        me = (lineage, mine.commits, mine.tip)
-        # A claimant read the whole record (void list included): a replica standing where an
-        # off-line claimant stands is off the line too. The others read its lineage and head.
-        off = (own is not None and own.off) or any(
-            c.off and (positions[slot * k].lineage, positions[slot * k].commits, positions[slot * k].tip) == me
-            for slot, c in claims.items()
-            if slot * k < len(positions)
-        )
-        found = next((c.found for c in claims.values() if c.found is not None), None)
-        if off or not on_line(found, lineage, mine):
+        off = own is not None and own.off  # it read the whole record, void list included
+        if off or self._off_line(attempt, claims, positions):
+            found = next((c.found for c in claims.values() if c.found is not None), None)
             raise Rejoin(
                 f"this replica's state ({mine}, lineage {lineage:x}) is not on the job's line: the line record "
                 f"holds {found.head if found is not None else '-'} of lineage {found.lineage if found else 0:x}; "
@@ -645,6 +655,11 @@ class QuorumStrategy:
         # Nothing changes by trying again at once (etcd out of reach fails in microseconds when
         # the route is gone): paced, the attempts in a row that end a worker span ~20 s.
         time.sleep(CLAIM_RETRY_S)
+
+    def _off_line(self, attempt: Attempt, claims: dict[int, Claim], positions: list[QuorumPosition]) -> bool:
+        """``line.off_line`` for this participant (claimant slot g is participant g x K)."""
+        stands = [(p.lineage, Version(p.commits, p.tip)) for p in positions]
+        return off_line(claims, stands, lambda slot: slot * self.comm.size, attempt.rank)
 
     def _may_commit_checkpoint(self, step: int) -> str | None:
         """The checkpointer's guard, before a save of ``step`` commits: the line record must
@@ -998,10 +1013,13 @@ class QuorumStrategy:
             return True
         commits = expected_commits(loaded.position.step, loaded.position.epoch) if loaded is not None else 0
         try:
-            # Watched within the others' wait for this choice (the evaluation bound).
-            self.ledger.start(choice.lineage, Version(commits, 0), watch_cap_s=0.4 * self.eval_timeout_s)
+            if not self.ledger.start(choice.lineage, Version(commits, 0)):
+                # A line ahead of the checkpoint, watched across attempts: is a replica on it?
+                time.sleep(CLAIM_RETRY_S)
+                return False
         except LineAlive as exc:  # a live replica holds the line: it heals the ones at step 0
             log.warning("line_alive", detail=str(exc), checkpoint_step=commits)
+            time.sleep(CLAIM_RETRY_S)
             return False
         except Exception as exc:  # no record, no line: every participant retries
             self._start_failures += 1

@@ -15,6 +15,7 @@ import pytest
 
 from elastic_train.quorum.line import LineLedger, Version, on_line
 from elastic_train.testing.etcd import EtcdMember, etcd_cluster, leader, require_etcd
+from tests.helpers import start_line_now
 
 pytestmark = pytest.mark.timeout(120)
 LINEAGE = 0x5EED
@@ -48,7 +49,7 @@ def test_two_quorums_racing_for_one_step_leave_one_version_standing(members: lis
         results[i] = ledgers[i].claim(LINEAGE, Version(3, 0), Version(4, 10 + i)).ok
 
     for _ in range(5):  # several rounds: the race is etcd's to decide each time
-        first.start(LINEAGE, Version(3, 0))
+        start_line_now(first, LINEAGE, Version(3, 0))
         threads = [threading.Thread(target=claim, args=(i,)) for i in (0, 1)]
         for t in threads:
             t.start()

@@ -4,7 +4,9 @@ quorums, lost collectives, partitions from etcd and checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -30,6 +32,7 @@ from elastic_train.quorum.line import (
     next_record,
     on_line,
 )
+from tests.helpers import start_line_now
 
 LINEAGE = 0xABC
 
@@ -101,11 +104,11 @@ def test_the_claims_reach_every_participant_exactly(
     total = empty_claim() + empty_claim()  # participants that claim nothing add zeros
     for slot, (ok, off, known) in enumerate(flags):
         found = LineRecord(data.draw(st.integers(1, (1 << 48) - 1)), head) if known else None
-        sent[slot] = Claim(ok, Version(commits, tip), found, off=off)
+        sent[slot] = Claim(ok, Version(commits + 1, tip), found, off=off, mine_tip=data.draw(st.integers(0, 2**64 - 1)))
         total += claims_block(sent[slot], slot)
     arrived = decode_claims(total)
-    assert {k: (c.ok, c.new, c.found, c.off) for k, c in arrived.items()} == {
-        k: (c.ok, c.new, c.found, c.off) for k, c in sent.items()
+    assert {k: (c.ok, c.new, c.found, c.off, c.mine) for k, c in arrived.items()} == {
+        k: (c.ok, c.new, c.found, c.off, c.mine) for k, c in sent.items()
     }
     with pytest.raises(ValueError):
         decode_claims(total + claims_block(sent[0], 0))  # a slot written twice: the membership is not what it seems
@@ -173,7 +176,7 @@ def test_a_new_line_ends_the_old_one() -> None:
     book = ledger(store)
     book.start(LINEAGE, Version(0, 0))
     assert book.claim(LINEAGE, Version(0, 0), Version(1, 1)).ok
-    book.start(LINEAGE + 1, Version(0, 0))  # every replica restarted: a start from the checkpoint
+    start_line_now(book, LINEAGE + 1, Version(0, 0))  # every replica restarted: a start from the checkpoint
     refused = book.claim(LINEAGE, Version(1, 1), Version(2, 1))
     assert not refused.ok
     assert not on_line(refused.found, LINEAGE, Version(1, 1))
@@ -181,17 +184,27 @@ def test_a_new_line_ends_the_old_one() -> None:
 
 
 # ---------------------------------------------------------------------- any sequence of events
-REPLICAS = 3
+REPLICAS = 4
+FRESH = (0, Version(0, 0))  # a restarted replica: at step 0, on no line yet
 quorums = st.permutations(range(REPLICAS)).flatmap(lambda p: st.integers(1, REPLICAS).map(lambda n: p[:n]))
 actions = st.lists(
     st.one_of(
         # a quorum of some replicas (participant 0 first), and which of them apply the step
         st.tuples(st.just("attempt"), quorums, st.sets(st.integers(0, REPLICAS - 1))),
+        # two quorums at once (an old Lighthouse's last one and the new one's), their claims
+        # interleaved in the drawn order, and which replicas apply
+        st.tuples(
+            st.just("race"),
+            st.tuples(quorums, st.lists(st.booleans(), min_size=2 * CLAIMANTS, max_size=2 * CLAIMANTS)),
+            st.sets(st.integers(0, REPLICAS - 1)),
+        ),
+        # a claim of an earlier attempt landing late (an older quorum id), from where a replica stands
+        st.tuples(st.just("late"), st.integers(0, REPLICAS - 1), st.none()),
         st.tuples(st.just("cut"), st.booleans(), st.none()),  # the first claimant cut off from etcd, or back
         st.tuples(st.just("save"), st.integers(0, REPLICAS - 1), st.none()),  # a replica's checkpoint
-        # some replicas restart together, all at step 0: a start line from the newest checkpoint
-        # (the others, cut off meanwhile, keep the line they were on)
-        st.tuples(st.just("restart"), quorums, st.none()),
+        st.tuples(st.just("restart"), quorums, st.none()),  # some replicas restart: at step 0
+        st.tuples(st.just("start"), st.none(), st.none()),  # the restarted ones' start of a line, tried
+        st.tuples(st.just("tick"), st.floats(0, 10), st.none()),  # time passes
     ),
     max_size=40,
 )
@@ -201,72 +214,113 @@ actions = st.lists(
 @given(actions)
 def test_no_two_versions_of_a_step_survive_whatever_happens(script: list[tuple[Any, Any, Any]]) -> None:
     """Replicas of one job, driven through any sequence of quorums (each attempt's collective
-    reaching any subset of its participants: a kill, a freeze, a partition), cuts of the first
-    claimant from etcd, checkpoints and restarts. As the strategy does: torchft heals a
-    participant behind the quorum's highest step from one at it (whatever its version), the
+    reaching any subset of its participants: a kill, a freeze, a partition), two quorums racing
+    with interleaved claims, an older attempt's claim landing late, cuts of the first claimant
+    from etcd, checkpoints, restarts and starts of a line. As the strategy does: torchft heals
+    a participant behind the quorum's highest step from one at it (whatever its version), the
     first ``CLAIMANTS`` participants claim from where they stand before the positions are
     compared, the step is applied only when a claim was taken, every claimant claimed the same
-    version and every position agrees, and a participant the claims show off the line heals
-    from a replica on it. Then: no claim ever extended a voided version, of every step at most
-    one claimed version of the record's line is not void, and a checkpoint the record let
-    commit is never voided later."""
+    version and every position agrees, and a participant ``off_line`` says is off heals from a
+    replica on the line. Then: no claim ever extended a voided version, no voided version was
+    taken again, of every step at most one claimed version of the record's line is not void,
+    and a checkpoint the record let commit is never voided later."""
+    clock = [0.0]
     store = ScriptedEtcd()
     book = ledger(store)
     cut_book = ledger(ScriptedEtcd(cut=True))  # the first claimant's view while it is cut off
     cut = False
-    quorum_ids = itertools.count(1)
+    quorum_ids = itertools.count(10)
     lineages = itertools.count(2)
     book.start(1, Version(0, 0))
     where = [(1, Version(0, 0))] * REPLICAS  # each replica's (lineage, version)
     claimed: list[tuple[int, Version, Version]] = []  # (lineage, from, to) of every successful claim
     saved: list[tuple[int, Version]] = []
-    for kind, a, b in script:
-        if kind == "cut":
-            cut = a
-        elif kind == "restart":
-            lineage = next(lineages)
-            origin = Version(max((v.commits for _lin, v in saved), default=0), 0)  # the newest checkpoint
-            with mock.patch.object(line.time, "sleep"):  # nothing moves the line while it is watched here
-                book.start(lineage, origin)
-            for r in a:
-                where[r] = (lineage, origin)
-        elif kind == "save":
-            if book.check_commit(*where[a]) is None:
-                saved.append(where[a])
-        else:
-            quorum, applying = a, b
-            top = max(where[r][1].commits for r in quorum)
-            source = next(where[r] for r in quorum if where[r][1].commits == top)
-            for r in quorum:  # torchft's heal: by step alone
-                if where[r][1].commits < top:
-                    where[r] = source
-            new = Version(top + 1, next(quorum_ids))
-            claims = {}
-            for slot, r in enumerate(quorum[:CLAIMANTS]):
-                claimant = cut_book if cut and slot == 0 else book
-                claims[slot] = claimant.claim(where[r][0], where[r][1], new)
-                if claims[slot].ok:
-                    claimed.append((where[r][0], where[r][1], new))
-            version = agreed(claims)
-            positions_agree = all(where[r] == where[quorum[0]] for r in quorum)
-            if version is not None and positions_agree:
-                for r in quorum:
-                    if r in applying:
-                        where[r] = (where[r][0], version)
-                continue
-            if version is not None:
-                continue  # the position check refuses the attempt (its differing ones heal: not modelled)
-            found = next((c.found for c in claims.values() if c.found is not None), None)
-            for r in quorum:
-                off = any(c.off and where[quorum[slot]] == where[r] for slot, c in claims.items())
-                if off or not on_line(found, *where[r]):
-                    holders = [w for w in where if found is not None and w == (found.lineage, found.head)]
-                    if holders:  # Rejoin: a restart that heals from a replica on the line
-                        where[r] = holders[0]
+    starter = ledger(store)
+
+    def void_now() -> set[Version]:
         record = store.keys.get(book.key)
-        final = LineRecord.decode(record.value) if record is not None else None
-        for lin, version in saved:  # a committed checkpoint is never voided afterwards
-            assert final is None or final.lineage != lin or version not in final.void
+        return set(LineRecord.decode(record.value).void) if record is not None else set()
+
+    def claim(slot: int, r: int, new: Version) -> Claim:
+        lineage, mine = where[r]
+        before = void_now()
+        result = (cut_book if cut and slot == 0 else book).claim(lineage, mine, new)
+        if result.ok:
+            assert mine not in before and new not in before, f"{new} from {mine} taken, one of them void"
+            claimed.append((lineage, mine, new))
+        return result
+
+    def settle(quorum: Sequence[int], claims: dict[int, Claim], applying: set[int]) -> None:
+        version = agreed(claims)
+        stands = [where[r] for r in quorum]
+        if version is not None and all(w == stands[0] for w in stands):
+            for r in quorum:
+                if r in applying:
+                    where[r] = (where[r][0], version)
+            return
+        for i, r in enumerate(quorum):
+            if line.off_line(claims, stands, lambda slot: slot, i):
+                found = book.read()[0]  # Rejoin: a restart that heals from a replica on the line
+                holders = [w for w in where if found is not None and w == (found.lineage, found.head)]
+                where[r] = holders[0] if holders else FRESH
+
+    with mock.patch.object(line.time, "monotonic", lambda: clock[0]):
+        for kind, a, b in script:
+            clock[0] += 0.01
+            if kind == "cut":
+                cut = a
+            elif kind == "tick":
+                clock[0] += a
+            elif kind == "restart":
+                for r in a:
+                    where[r] = FRESH
+            elif kind == "start":
+                fresh = [r for r in range(REPLICAS) if where[r] == FRESH]
+                if fresh and not cut:
+                    lineage = next(lineages)
+                    origin = Version(max((v.commits for _lin, v in saved), default=0), 0)  # the newest checkpoint
+                    with contextlib.suppress(LineAlive):
+                        if starter.start(lineage, origin):
+                            for r in fresh:
+                                where[r] = (lineage, origin)
+            elif kind == "save":
+                if where[a] != FRESH and book.check_commit(*where[a]) is None:
+                    saved.append(where[a])
+            elif kind == "late":
+                if where[a] != FRESH:
+                    claim(1, a, Version(where[a][1].commits + 1, 1))  # quorum id 1: older than any
+            else:
+                quorum = a if kind == "attempt" else a[0]
+                live = [r for r in quorum if where[r] != FRESH]
+                top = max((where[r][1].commits for r in live), default=None)
+                if top is None:
+                    continue  # all at step 0 on no line: their start of a line comes first
+                source = next(where[r] for r in live if where[r][1].commits == top)
+                for r in quorum:  # torchft's heal: by step alone
+                    if r not in live or where[r][1].commits < top:
+                        where[r] = source
+                if kind == "attempt":
+                    new = Version(top + 1, next(quorum_ids))
+                    claims = {slot: claim(slot, r, new) for slot, r in enumerate(quorum[:CLAIMANTS])}
+                    settle(quorum, claims, b)
+                    continue
+                # A race: the quorum split in two at the same place, each with its own quorum id,
+                # their claimants' requests in the drawn order.
+                half = max(1, len(quorum) // 2)
+                sides = [list(quorum[:half]), list(quorum[half:]) or list(quorum[:half])]
+                news = [Version(top + 1, next(quorum_ids)) for _ in sides]
+                pending = [(side, slot, r) for side in (0, 1) for slot, r in enumerate(sides[side][:CLAIMANTS])]
+                order = sorted(range(len(pending)), key=lambda i: (a[1][i], i))
+                results: list[dict[int, Claim]] = [{}, {}]
+                for i in order:
+                    side, slot, r = pending[i]
+                    results[side][slot] = claim(slot, r, news[side])
+                for side in (0, 1):
+                    settle(sides[side], results[side], b)
+            record = store.keys.get(book.key)
+            final = LineRecord.decode(record.value) if record is not None else None
+            for lin, version in saved:  # a committed checkpoint is never voided afterwards
+                assert final is None or final.lineage != lin or version not in final.void
     record = store.keys.get(book.key)
     assert record is not None
     final = LineRecord.decode(record.value)
@@ -317,32 +371,90 @@ def test_confirmed_needs_the_line_to_have_gone_on_or_a_pin() -> None:
         next_record(record, LINEAGE, Version(3, 2), Version(5, 7))
 
 
-def test_a_start_waits_for_a_line_that_still_moves(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replicas at step 0 (their node restarted) start a quorum of their own while a live one
-    is mid-step on the line: the start watches the line (two of its steps) and, seeing it move,
-    leaves it alone (the live replica heals them). A line that does not move is ended."""
+def test_a_start_watches_a_line_ahead_of_it_and_leaves_a_moving_one_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas at step 0 (their node restarted) form a quorum of their own while a live one is
+    mid-step on the line: the start watches the line, across attempts, for twice its quiet time
+    and, seeing it move, leaves it alone (the live replica heals them). A line that does not
+    move for that long is ended. An evaluation round's claim records the round's bound."""
+    clock = [1000.0]
+    monkeypatch.setattr(line.time, "monotonic", lambda: clock[0])
     store = ScriptedEtcd()
     book = ledger(store)
     book.start(LINEAGE, Version(10, 0))
-    for step in range(10, 14):  # the live line's claims: its pace is recorded
-        assert book.claim(LINEAGE, Version(step, 1 if step > 10 else 0), Version(step + 1, 1)).ok
-    record = book.read()[0]
-    assert record is not None and 0 <= record.pace_s < 1
-    watched: list[float] = []
-
-    def claim_meanwhile(seconds: float) -> None:  # the live replica claims its next step meanwhile
-        watched.append(seconds)
-        assert book.claim(LINEAGE, Version(14, 1), Version(15, 1)).ok
-
-    monkeypatch.setattr(line.time, "sleep", claim_meanwhile)
+    assert book.claim(LINEAGE, Version(10, 0), Version(11, 1)).ok
+    clock[0] += 0.3
+    assert book.claim(LINEAGE, Version(11, 1), Version(12, 1)).ok
+    assert book.read()[0].quiet_s == pytest.approx(0.3)  # type: ignore[union-attr]
+    assert book.claim(LINEAGE, Version(12, 1), Version(13, 1), quiet_s=30.0).ok  # an evaluation round
+    assert book.read()[0].quiet_s == 30.0  # type: ignore[union-attr]
+    starter = ledger(store)
+    assert not starter.start(LINEAGE + 1, Version(10, 0))  # watching begins
+    clock[0] += 59.0
+    assert not starter.start(LINEAGE + 1, Version(10, 0))  # 2 x 30 s not over yet
+    assert book.claim(LINEAGE, Version(13, 1), Version(14, 1)).ok  # the live replica's next claim
     with pytest.raises(LineAlive):
-        book.start(LINEAGE + 1, Version(10, 0))
-    assert watched == [line.MIN_WATCH_S]
-    assert book.read()[0] == LineRecord(LINEAGE, Version(15, 1), Version(14, 1), pace_s=book.read()[0].pace_s)  # type: ignore[union-attr]
-    monkeypatch.setattr(line.time, "sleep", watched.append)  # now it is still
-    book.start(LINEAGE + 1, Version(10, 0))
+        starter.start(LINEAGE + 1, Version(10, 0))
+    assert book.read()[0].head == Version(14, 1)  # type: ignore[union-attr]
+    # Still now (its quiet time is the pace, 59 s): ended after twice that.
+    assert not starter.start(LINEAGE + 1, Version(10, 0))
+    clock[0] += 2 * 59.0 + 0.1
+    assert starter.start(LINEAGE + 1, Version(10, 0))
     assert book.read()[0] == LineRecord(LINEAGE + 1, Version(10, 0))
     # At the checkpoint's own step (a requeue after a preemption's save) nothing is watched.
-    watched.clear()
-    book.start(LINEAGE + 2, Version(10, 0))
-    assert watched == []
+    assert starter.start(LINEAGE + 2, Version(10, 0))
+
+
+def test_only_a_later_quorum_voids_and_a_voided_version_never_comes_back() -> None:
+    """Two quorums claiming one step from one place (an old Lighthouse's last quorum overlapping
+    the new one's, or an older attempt's claim landing late), their claims interleaved: the
+    later quorum's claim may void the earlier one's, never the reverse, and a voided version is
+    never claimed again, extended or pinned."""
+    book = ledger(ScriptedEtcd())
+    book.start(LINEAGE, Version(5, 0))
+    old, new = Version(6, 101), Version(6, 102)
+    assert book.claim(LINEAGE, Version(5, 0), old).ok
+    assert book.claim(LINEAGE, Version(5, 0), new).ok  # voids the older quorum's claim
+    assert not book.claim(LINEAGE, Version(5, 0), old).ok  # its second claimant: no coming back
+    assert book.claim(LINEAGE, Version(5, 0), new).ok  # the later quorum's second claimant: done already
+    assert not book.claim(LINEAGE, old, Version(7, 103)).ok
+    assert book.check_commit(LINEAGE, old) is not None
+    book2 = ledger(ScriptedEtcd())
+    book2.start(LINEAGE, Version(5, 0))
+    assert book2.claim(LINEAGE, Version(5, 0), new).ok
+    assert not book2.claim(LINEAGE, Version(5, 0), old).ok  # late and older: refused, not voiding
+
+
+def test_a_record_naming_a_voided_head_extends_and_pins_nothing() -> None:
+    """Defence in depth (the tip order already keeps a voided version from coming back): a
+    record whose head is on its own void list is a dead end."""
+    record = LineRecord(LINEAGE, Version(6, 101), Version(5, 0), (Version(6, 101),))
+    assert next_record(record, LINEAGE, Version(6, 101), Version(7, 120)) is None
+    assert next_record(record, LINEAGE, Version(5, 0), Version(6, 101)) is None
+    assert line.pinned(record, LINEAGE, Version(6, 101)) is None
+
+
+def test_who_leaves_is_decided_by_the_record_not_by_participant_0() -> None:
+    """Participant 0 (group 0) applied a step later voided; participant 1 stands on the line and
+    its claim is taken: participant 0 leaves, participant 1 stays, whatever the ranks."""
+    voided, line_version = Version(6, 101), Version(6, 102)
+    stands = [(LINEAGE, voided), (LINEAGE, line_version)]
+    found = LineRecord(LINEAGE, line_version)
+    after = LineRecord(LINEAGE, Version(7, 110), line_version)  # what the taken claim read back
+    claims = {
+        0: Claim(False, Version(7, 110), found, off=True, mine_tip=voided.tip),
+        1: Claim(True, Version(7, 110), after, mine_tip=line_version.tip),
+    }
+    assert line.off_line(claims, stands, lambda slot: slot, 0)
+    assert not line.off_line(claims, stands, lambda slot: slot, 1)
+    # Participant 0 not a claimant at all (only the taken claim says where the line is).
+    assert line.off_line({1: claims[1]}, stands, lambda slot: slot, 0)
+    # No claim taken: the claimant that read the void list takes those standing with it along.
+    refused = {0: Claim(False, Version(7, 110), found, off=True, mine_tip=voided.tip)}
+    assert line.off_line(refused, [(LINEAGE, voided), (LINEAGE, voided)], lambda slot: slot, 1)
+    # Behind the head, nobody knows more: stay and wait for a replica holding it.
+    behind = {0: Claim(False, Version(6, 110), LineRecord(LINEAGE, Version(9, 3)), mine_tip=2)}
+    assert not line.off_line(behind, [(LINEAGE, Version(5, 2))], lambda slot: slot, 0)
+    # Groups of K workers: claimant slot g is participant g x K.
+    wide = [(LINEAGE, voided), (LINEAGE, voided), (LINEAGE, line_version), (LINEAGE, line_version)]
+    assert line.off_line(claims, wide, lambda slot: 2 * slot, 1)
+    assert not line.off_line(claims, wide, lambda slot: 2 * slot, 3)
