@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check elastic_train tests benchmarks jobs examples
 	$(VENV)/bin/mypy
 
-## Every benchmark (~130 minutes on 2 cores; run it on a quiet machine), then docs/benchmarks.md
+## Every benchmark (~145 minutes on 2 cores; run it on a quiet machine), then docs/benchmarks.md
 ## is rewritten from the results in benchmarks/results/. BENCH_ARGS=--quick checks the pipeline.
 bench: $(STAMP)
 	$(PY) benchmarks/suite.py $(BENCH_ARGS)

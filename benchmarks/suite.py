@@ -449,7 +449,7 @@ noisy). This page is rewritten from their JSON results (`benchmarks/results/`) b
 make bench
 ```
 
-(`benchmarks/suite.py`, about 130 minutes on 2 cores; run it on a quiet machine); nothing below
+(`benchmarks/suite.py`, about 145 minutes on 2 cores; run it on a quiet machine); nothing below
 is typed by hand but the GPU check's notes (what was measured beside its run, by whoever ran it).
 
 - Written {when} from each benchmark's latest results ({label}).
@@ -609,6 +609,18 @@ def goodput_line_section(g: dict[str, Any]) -> str:
             f"**{1 + slower:.3f}**",
         ),
     ]
+    noisy = sum(x.get("noisy_rounds", 0) for x in (q, e))
+
+    def spread(x: dict[str, Any]) -> str:
+        return f"{min(x['fault_free_walls_s']):.0f}-{max(x['fault_free_walls_s']):.0f} s"
+
+    noise = (
+        f" In {noisy} of the {2 * g['soaks']} rounds a soak ran faster than its own fault-free run: the"
+        " machine's noise exceeded what its kills cost, so the per-failure figures here do not resolve"
+        " a difference between the two (the quorum section above has more kills a run)."
+        if noisy
+        else ""
+    )
     return f"""### Quorum mode with its coordinator in etcd: `goodput.py --modes quorum,quorum-etcd`
 
 Quorum mode as above, and the same job with `--lighthouse-etcd` (three etcd members on loopback,
@@ -616,8 +628,8 @@ started by the benchmark): the Lighthouse's seat is a lease there, and each step
 the line record before it commits (docs/fault-tolerance.md, "The line record"), in
 {g["soaks"]} rounds of their own (a fault-free run and a soak of each, kills {kill_spacing(g)},
 {g["epochs"]} epochs). Same definitions as above. {goodput_load(g)} Without failures the job with
-the record ran {100 * slower:+.1f}% against the one without (fault-free medians; the machine's
-own run-to-run spread is in the walls by round).
+the record ran {100 * slower:+.1f}% against the one without (fault-free medians; their walls
+ranged {spread(q)} without the record and {spread(e)} with it).{noise}
 
 | measure | quorum | quorum, `--lighthouse-etcd` |
 | --- | --- | --- |
