@@ -16,9 +16,10 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
 * ``slow_link`` (``:bytes_per_s=N``): from step S on, this process enters quorum mode's
   gradient average late by gradient bytes / N seconds, as over a link of that speed: its peers
   wait in the collective that long, every step.
-* ``kill_after_claim``: SIGKILL this process right after it, as participant 0, claimed step S
-  in the line record (quorum mode with ``--lighthouse-etcd``): the record's head is then a step
-  nobody applied, which the next quorum must void (``quorum.line``).
+* ``kill_after_claim``: SIGKILL this process right after its claim of training step S was taken
+  by the line record (quorum mode with ``--lighthouse-etcd``; it claims as one of the attempt's
+  first participants): the record's head is then a step nobody applied, which the next quorum
+  must void (``quorum.line``).
 * ``load_error``: reading the checkpoint of step S fails with EIO in this process (quorum
   mode's start of a line: one replica's storage hiccup).
 * ``kill_in_save`` (``:stage=before_shard|after_shard|after_manifest``) / ``enospc``: fired by
