@@ -25,7 +25,7 @@ line's head, the ``Version`` (Manager step, quorum id) of its last claimed commi
   for a version the record confirms, and a checkpoint of the head pins it first (``pin``): a
   pinned head is never voided.
 * The start of a line (every replica of the quorum at step 0: a launch, a requeue, every replica
-  lost) writes a new record with its new lineage (``start_record``): a replica still holding
+  lost) writes a new record with its new lineage (``LineLedger.start``): a replica still holding
   the previous line (cut off when the others all restarted) can never claim on it again. A
   line ahead of the start's checkpoint is watched first: one that still moves has a live
   replica, which heals the ones at step 0 (``LineAlive``).
@@ -130,12 +130,6 @@ class LineRecord:
             optional["pin"],
             float(quiet),
         )
-
-
-def start_record(lineage: int, origin: Version, found: LineRecord | None) -> LineRecord:
-    """A new line from ``origin`` (a checkpoint's step, or 0): every earlier line ends here."""
-    del found  # whatever it said: a start line is where the job's training goes on from
-    return LineRecord(lineage, origin)
 
 
 def next_record(
@@ -295,10 +289,6 @@ def off_line(
     return not on_line(found, lineage, mine)
 
 
-def empty_claim() -> torch.Tensor:
-    return claims_block(None, None)
-
-
 class LineAlive(RuntimeError):
     """A start of a line found the record's line still moving: a live replica holds it, and the
     replicas at step 0 heal from it instead of starting over from an older checkpoint."""
@@ -402,7 +392,7 @@ class LineLedger:
                 self._watch = watching or (index, time.monotonic())
                 return False
         self._watch = None
-        wanted = start_record(lineage, origin, found)
+        wanted = LineRecord(lineage, origin)  # a new line: every earlier one ends here
         if not self._swap(wanted, index) and self.read()[0] != wanted:
             raise LineAlive("the line record changed while a new line was written")
         return True
@@ -423,8 +413,7 @@ class LineLedger:
         return f"the line record does not hold {version} of lineage {lineage:x} ({head})"
 
 
-def ledger_from_env(job: str, environ: Any = None) -> LineLedger | None:
+def ledger_from_env(job: str) -> LineLedger | None:
     """The worker's ledger when its agent gave it etcd's members (``LINE_VAR``), else None."""
-    env = os.environ if environ is None else environ
-    endpoints = tuple(filter(None, env.get(LINE_VAR, "").split(",")))
+    endpoints = tuple(filter(None, os.environ.get(LINE_VAR, "").split(",")))
     return LineLedger(endpoints, job) if endpoints else None

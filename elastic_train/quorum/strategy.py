@@ -636,16 +636,15 @@ class QuorumStrategy:
         """No claim of the attempt was taken (or the claimants claimed different versions):
         nothing commits. A replica whose state the record says is not the line's leaves and
         heals; the others try again (a live replica holding the line's head heals them)."""
-        reasons = [c.why for c in claims.values() if c.why] + ([own.why] if own is not None and own.why else [])
-        why = reasons[0] if reasons else "no claim of the attempt was taken by the line record"
+        # Only a claimant's own answer carries its reason (the collective carries the verdicts).
+        why = own.why if own is not None and own.why else "no claim of the attempt was taken by the line record"
         if len({c.new for c in claims.values()}) > 1:
             why = f"the claimants claimed different versions ({sorted(str(c.new) for c in claims.values())})"
         self._refusal = why
         self.replica.refuse(why)
         mine, lineage = self.version(), self.progress.lineage
         log.warning("line_claim_refused", step=self.loop.state.step, world=attempt.world, mine=str(mine), detail=why)
-        off = own is not None and own.off  # it read the whole record, void list included
-        if off or self._off_line(attempt, claims, positions):
+        if self._off_line(attempt, claims, positions):  # this participant's own claim included
             found = next((c.found for c in claims.values() if c.found is not None), None)
             raise Rejoin(
                 f"this replica's state ({mine}, lineage {lineage:x}) is not on the job's line: the line record "
