@@ -119,12 +119,19 @@ def _stop_helpers() -> None:
 
     They would exit by themselves when this process closes its end of their pipes, but tearing
     down an interpreter that imported torch takes a while: a job step (or a test) that ends
-    while they still run would see stray processes.
+    while they still run would see stray processes. The forkserver is SIGKILLed first: it holds
+    nothing (its workers are separate processes, already ended or signalled by now), and its
+    orderly exit, torch's teardown, took 1.3 s of every launch's wall clock on two cores.
     """
     from multiprocessing import forkserver, resource_tracker
 
-    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):  # type: ignore[attr-defined]
-        stop = getattr(helper, "_stop", None)  # CPython's own clean-up hook (3.8+)
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for helper in (server, resource_tracker._resource_tracker):  # type: ignore[attr-defined]
+        stop = getattr(helper, "_stop", None)  # CPython's own clean-up hook (3.8+): closes, reaps
         if stop is not None:
             with contextlib.suppress(Exception):  # best effort: they exit by themselves anyway
                 stop()

@@ -75,8 +75,15 @@ from elastic_train.outcome import ExitCode
 from elastic_train.quorum import identity
 from elastic_train.quorum.forward import Forwarder
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken, _check_port_free
-from elastic_train.quorum.line import LINE_VAR
-from elastic_train.quorum.names import GROUPS_VAR, HOST_VAR, JOB_VAR, LAUNCHER_THREADS_VAR, SECRET_VAR, WARM_ARGV_VAR
+from elastic_train.quorum.names import (
+    GROUPS_VAR,
+    HOST_VAR,
+    JOB_VAR,
+    LAUNCHER_THREADS_VAR,
+    LINE_VAR,
+    SECRET_VAR,
+    WARM_ARGV_VAR,
+)
 from elastic_train.quorum.seat import Holder, Seat, SeatConfig
 from elastic_train.quorum.term import TERM_FILE_VAR, write_term
 

@@ -51,9 +51,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from elastic_train.quorum.names import LINE_VAR
+
 KEY = "/elastic-train/{job}/line"
-# The agent sets it for its workers when it moves the Lighthouse by a lease (the same members).
-LINE_VAR = "ELASTIC_TRAIN_LINE_ETCD"
 MAX_VOID = 256  # voided versions kept: voids are per participant-0 failure, a handful per job
 MIN_WATCH_S = 2.0  # a start of a line watches a line ahead of it at least this long
 MAX_QUIET_S = 3600.0  # a longer pause between claims is recorded as this

@@ -16,6 +16,9 @@ JOB_VAR = "ELASTIC_TRAIN_QUORUM_JOB"
 SECRET_VAR = "ELASTIC_TRAIN_QUORUM_SECRET"
 # The trainer flags (a JSON list), for the forkserver's preload of ``elastic_train.quorum.warm``.
 WARM_ARGV_VAR = "ELASTIC_TRAIN_WARM_ARGV"
+# etcd's members, where a worker claims each step in the line record (``quorum.line``); the
+# agent sets it from the seat's members (--lighthouse-etcd).
+LINE_VAR = "ELASTIC_TRAIN_LINE_ETCD"
 # Replica groups the job was launched with (for the start-up line).
 GROUPS_VAR = "ELASTIC_TRAIN_QUORUM_GROUPS"
 
