@@ -41,6 +41,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shlex
 import signal
 import statistics
@@ -56,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elastic_train.logs import parse_timestamp  # noqa: E402
+from elastic_train.quorum.names import SECRET_VAR  # noqa: E402
 from elastic_train.testing.processes import TOKEN_VAR, base_env, free_port, kill_tagged, read_jsonl  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -249,7 +251,7 @@ def node_loss(stop: bool) -> float:
     first commit at world size 1, seconds (from node 0's log)."""
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        env = base_env()
+        env = base_env({SECRET_VAR: secrets.token_hex(16)})  # several agents: one job secret for all
         port = free_port()
         nodes = []
         try:
@@ -269,8 +271,10 @@ def node_loss(stop: bool) -> float:
                 time.sleep(0 if rank else 3)
             deadline = time.monotonic() + 180
             while not [e for e in events(base, "committed") if e["world"] == 2 and e["_file"] == "replica_0.jsonl"]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no commit at world 2 in {base}")
+                ended = [(i, n.returncode) for i, n in enumerate(nodes) if n.poll() is not None]
+                if ended or time.monotonic() > deadline:
+                    tail = (base / f"node{ended[0][0] if ended else 0}.out").read_text()[-2000:]
+                    raise RuntimeError(f"no commit at world 2 in {base} (agents ended: {ended}):\n{tail}")
                 time.sleep(0.1)
             time.sleep(2)
             lost_at = time.time()
