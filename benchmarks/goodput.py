@@ -239,9 +239,9 @@ def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int]) 
     }
 
 
-def fault_free_step_s(base: Path, epochs: int) -> float:
-    metrics = read_jsonl(base / "logs" / "metrics.jsonl")
-    times = [m["epoch_time"] for m in metrics][1:] or [m["epoch_time"] for m in metrics]
+def fault_free_step_s(epochs_s: list[float]) -> float:
+    """A step's time: the median epoch after the first (warm-up), over the epoch's steps."""
+    times = epochs_s[1:] or epochs_s
     steps = 4096 // 128
     return statistics.median(times) / steps
 
@@ -324,10 +324,9 @@ def summarise(
     ff_runs: list[dict[str, Any]],
     soaks: list[dict[str, Any]],
     best_ff: float,
-    epochs: int,
 ) -> dict[str, Any]:
     ff_walls = [r["wall_s"] for r in ff_runs]
-    step_s = fault_free_step_s(ff["base"], epochs)
+    step_s = fault_free_step_s(ff["epochs_s"])
     splits = []
     for s in soaks:
         if mode.startswith("quorum"):
@@ -403,7 +402,7 @@ def measure(args: argparse.Namespace, modes: list[str], fresh: Any) -> dict[str,
     ff = {m: {**runs[m][0], "wall_s": statistics.median(r["wall_s"] for r in runs[m])} for m in modes}
     best = min(ff[m]["wall_s"] for m in modes)
     result: dict[str, Any] = {
-        "modes": {m: summarise(m, ff[m], runs[m], soaks[m], best, args.epochs) for m in modes},
+        "modes": {m: summarise(m, ff[m], runs[m], soaks[m], best) for m in modes},
         "soaks": args.soaks,
         "mtbf_s": args.mtbf,
         "spacing": args.spacing,
