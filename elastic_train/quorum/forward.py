@@ -2,10 +2,15 @@
 
 torchft's Manager is given one Lighthouse address for its life. With the Lighthouse's seat in
 etcd (``quorum.seat``) the Lighthouse may move to another node; the agent gives its workers this
-relay's address instead and points it at the seat's holder. ``retarget`` to a new address closes
+relay's address instead and points it at the seat's holder. ``retarget`` to a new route closes
 every relayed connection (the old Lighthouse is gone or fenced), and the Manager's next request
 connects anew, to the new one. With no Lighthouse known, a connection is closed at once: the
 Manager's quorum retries (every 0.25 s) find the next one.
+
+A route is an address and a term (``quorum.term``): one address may serve a new Lighthouse
+process under a new term, and the relay carries bytes only while the agent's view of the seat
+is the very route it was given, term included, so that no request reaches a Lighthouse whose
+term the agent has not yet handed to its workers.
 
 Bytes are relayed as they come; nothing is parsed (gRPC over HTTP/2 passes through unchanged).
 """
@@ -16,10 +21,22 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 CHUNK = 1 << 16
 CONNECT_TIMEOUT_S = 1.0  # to the Lighthouse; a frozen one fails the request, which is retried
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the relay leads: a Lighthouse's address and the term it serves under."""
+
+    address: str
+    term: int = 0
+
+    def __post_init__(self) -> None:
+        _endpoint(self.address)
 
 
 def _endpoint(url: str) -> tuple[str, int]:
@@ -30,9 +47,9 @@ def _endpoint(url: str) -> tuple[str, int]:
 
 
 class Forwarder:
-    """``with Forwarder() as relay:`` workers use ``relay.address``; ``relay.retarget(url)``."""
+    """``with Forwarder() as relay:`` workers use ``relay.address``; ``relay.retarget(route)``."""
 
-    def __init__(self, host: str = "127.0.0.1", current: Callable[[], str | None] | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", current: Callable[[], Route | None] | None = None) -> None:
         # ``current``: where the Lighthouse is right now, asked at each accept and before each
         # chunk is passed on, so that a relay whose agent's main loop is busy (or that thawed
         # before it) never carries a byte to a Lighthouse whose seat may be gone.
@@ -44,7 +61,7 @@ class Forwarder:
         self.host = host
         self.port = int(self._listener.getsockname()[1])
         self._lock = threading.Lock()
-        self._target: str | None = None
+        self._target: Route | None = None
         self._open: set[socket.socket] = set()  # every relayed socket, both sides
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="lighthouse-relay", daemon=True)
@@ -55,18 +72,16 @@ class Forwarder:
         return f"http://{self.host}:{self.port}"
 
     @property
-    def target(self) -> str | None:
+    def target(self) -> Route | None:
         with self._lock:
             return self._target
 
-    def retarget(self, url: str | None) -> None:
-        """Relay new connections to ``url`` (None: refuse them); close the ones to another."""
-        if url is not None:
-            _endpoint(url)
+    def retarget(self, route: Route | None) -> None:
+        """Relay new connections along ``route`` (None: refuse them); close the ones on another."""
         with self._lock:
-            if url == self._target:
+            if route == self._target:
                 return
-            self._target = url
+            self._target = route
             stale, self._open = self._open, set()
         for sock in stale:
             _shut(sock)
@@ -94,7 +109,7 @@ class Forwarder:
                 return  # closed
             threading.Thread(target=self._relay, args=(conn,), name="lighthouse-relay-conn", daemon=True).start()
 
-    def _valid(self, target: str) -> bool:
+    def _valid(self, target: Route) -> bool:
         return self._current is None or self._current() == target
 
     def _relay(self, conn: socket.socket) -> None:
@@ -105,7 +120,7 @@ class Forwarder:
             conn.close()
             return
         try:
-            upstream = socket.create_connection(_endpoint(target), timeout=CONNECT_TIMEOUT_S)
+            upstream = socket.create_connection(_endpoint(target.address), timeout=CONNECT_TIMEOUT_S)
         except OSError:
             conn.close()
             return
@@ -134,7 +149,7 @@ class Forwarder:
         conn.close()
         upstream.close()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, target: str) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, target: Route) -> None:
         try:
             while (data := src.recv(CHUNK)) and self._valid(target):
                 dst.sendall(data)

@@ -73,7 +73,7 @@ from elastic_train.errors import UsageError
 from elastic_train.etcd_member import EtcdError
 from elastic_train.outcome import ExitCode
 from elastic_train.quorum import identity
-from elastic_train.quorum.forward import Forwarder
+from elastic_train.quorum.forward import Forwarder, Route
 from elastic_train.quorum.lighthouse import Lighthouse, LighthouseConfig, LighthousePortTaken, _check_port_free
 from elastic_train.quorum.names import (
     GROUPS_VAR,
@@ -310,7 +310,7 @@ class SeatedLighthouse:
         if holder is not None and holder.term != self.term:
             write_term(self.term_file, holder.term)  # before the relay carries a request to it
             self.term = holder.term
-        self.relay.retarget(holder.address if holder is not None else None)
+        self.relay.retarget(_route(holder))
 
     def _serve(self, running: bool) -> None:
         """Launch the Lighthouse, or see whether the launched one listens yet. One Lighthouse
@@ -615,11 +615,11 @@ def seated_lighthouse(args: argparse.Namespace) -> SeatedLighthouse:
     config = dataclasses.replace(config, address=address)
     seat = Seat(config)
     seat.start()
-    return SeatedLighthouse(seat, server, Forwarder(current=lambda: _address(seat.holder())))
+    return SeatedLighthouse(seat, server, Forwarder(current=lambda: _route(seat.holder())))
 
 
-def _address(holder: Holder | None) -> str | None:
-    return holder.address if holder is not None else None
+def _route(holder: Holder | None) -> Route | None:
+    return Route(holder.address, holder.term) if holder is not None else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

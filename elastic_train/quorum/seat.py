@@ -170,6 +170,9 @@ class Seat:
         self._holder_until = 0.0  # while now() is below it, ``_holder`` is known to hold the key
         self._quiet_until = 0.0  # the last etcd error was reported; the next is not before this
         self._candidate = True  # False once this agent gives the seat up for good: it only reads
+        # After this agent deleted its own key early, it does not create the key again before
+        # this (``_delete_own``).
+        self._retake_after = 0.0
         # Bumped when the seat is given up: a reply to a request sent before must not extend it.
         self._generation = 0
         self.taken_at: float | None = None  # when the last create that won was sent
@@ -200,13 +203,26 @@ class Seat:
 
     def resign(self) -> None:
         """Give the seat up now but stay a candidate: the key is deleted, and the next holder
-        (maybe this agent again, at its next round) creates it with a new term. For a Lighthouse
+        (another agent at its next round, or this one after ``ttl_s``) creates it with a new term. For a Lighthouse
         that died while its seat was held: a new process must not serve under the old term."""
         with self._lock:
             self._generation += 1
             held, self._mine_until = now() < self._mine_until, 0.0
         if held:
-            self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
+            self._delete_own()
+
+    def _delete_own(self) -> None:
+        """Delete this agent's key while etcd still counts it as live, and stand back. The other
+        agents may have read the key just before: each relays to this agent's address under the
+        old term until its read's lease runs out, up to ``ttl_s`` later. A new Lighthouse of this
+        agent's at the same address within that time would be given the old term's quorum ids by
+        them and the new term's by the rest; the new quorum's process group then forms under two
+        ids, fails, and a replica restarts (measured under load: a worker restart after a
+        Lighthouse killed alone). So this agent takes the seat again only after ``ttl_s``; any
+        other agent may take it at its next round, at its own address."""
+        with self._lock:
+            self._retake_after = now() + self.config.ttl_s
+        self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
 
     def abdicate(self) -> None:
         """Give the seat up for good (this agent cannot run a Lighthouse, or is stopping): now,
@@ -216,7 +232,7 @@ class Seat:
             self._generation += 1
             held, self._mine_until = now() < self._mine_until, 0.0
         if held:
-            self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
+            self._delete_own()
 
     def stop(self, release: bool = True) -> None:
         """Stop refreshing; ``release`` deletes the key when this agent holds it, so the next
@@ -251,7 +267,7 @@ class Seat:
 
         key, ttl = self.config.key, self.config.ttl_s
         with self._lock:
-            generation, candidate = self._generation, self._candidate
+            generation, candidate, retake_after = self._generation, self._candidate, self._retake_after
         sent = now()
         if self.mine():
             try:
@@ -265,9 +281,9 @@ class Seat:
                 self._report(exc)
                 return
             if not self._hold(sent, generation):
-                self._quietly(lambda c: c.delete(key, prevValue=self.value))
+                self._delete_own()
             return
-        if not candidate:
+        if not candidate or sent < retake_after:
             self._read(sent, generation)
             return
         try:
@@ -279,7 +295,7 @@ class Seat:
             self._report(exc)
             return
         if not self._hold(sent, generation, int(made.createdIndex)):
-            self._quietly(lambda c: c.delete(key, prevValue=self.value))
+            self._delete_own()
             return
         self._say(f"took the Lighthouse seat (term {made.createdIndex})")
 
@@ -316,7 +332,7 @@ class Seat:
         own fence but not yet expired in etcd. It is deleted, not taken back: the next holder,
         this agent included, creates the key anew, and with it a new term, so that every
         Lighthouse process serves under a term of its own (``quorum.term``)."""
-        self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
+        self._delete_own()
 
     def _report(self, exc: BaseException) -> None:
         # A member down is routine (the others answer); say so once in a while, not each round.

@@ -11,10 +11,17 @@ frozen or cut-off node came back). The agent writes the seat's term (etcd's inde
 larger for every new holder) to a file; each worker reads it when a quorum arrives and offsets
 the quorum id by it, so every Lighthouse's ids are its own.
 
-Every participant of a quorum reads its own agent's file; they agree because an agent relays to
-a Lighthouse only after writing its term. An agent that learned of a move a moment later than
-another gives its worker another id for that one quorum: the rendezvous fails, the attempt is
-discarded, and the next quorum agrees.
+Every participant of a quorum reads its own agent's file; they agree because an agent's relay
+carries a request only along the route (address and term) whose term the agent has written
+(``quorum.forward``), and because an agent that deleted its own key while it was live does not
+serve at its address again until every other agent's view of the old term has run out
+(``Seat._delete_own``): without that, an agent still holding the old term relays to the new
+process at the same address, its worker uses the old id, the quorum's process group forms under
+two ids and fails, and torchft does not rebuild it while the id stays the same (measured under
+load: a worker restart after a Lighthouse killed alone). What remains: a quorum answer that
+passes the relay in the instant between the agent's writing a newer term and its retargeting
+(two moves within one request) gives that one worker another id; the attempt fails and the
+replica heals back in.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def test_the_seats_lighthouse_killed_alone_is_replaced_under_a_new_term_without_
         timeout=60,
     )
     assert job.wait(node0) == 0 and job.wait(node1) == 0, job.output()
-    assert [w[2] for w in node0.workers() + node1.workers()] == [0, 0], "a worker restarted"
+    assert [w[2] for w in node0.workers() + node1.workers()] == [0, 0], f"a worker restarted\n{job.output()}"
     assert_exactly_once(job.base, epochs=EPOCHS)
 
 

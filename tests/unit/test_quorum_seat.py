@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastic_train.etcd_member import EtcdError
-from elastic_train.quorum.forward import Forwarder
+from elastic_train.quorum.forward import Forwarder, Route
 from elastic_train.quorum.launch import parse
 from elastic_train.quorum.seat import Members, Seat, SeatConfig
 from elastic_train.quorum.term import SHIFT, TermedClient, read_term, write_term
@@ -59,7 +59,7 @@ def ask(relay: Forwarder, payload: bytes) -> tuple[socket.socket, bytes]:
 
 def test_the_relay_passes_bytes_both_ways_to_its_target() -> None:
     with echo_server(b"a:") as (url, _), Forwarder() as relay:
-        relay.retarget(url)
+        relay.retarget(Route(url))
         conn, reply = ask(relay, b"hello")
         assert reply == b"a:hello"
         conn.sendall(b"again")
@@ -69,10 +69,10 @@ def test_the_relay_passes_bytes_both_ways_to_its_target() -> None:
 
 def test_a_new_target_closes_the_relayed_connections_and_takes_the_next_ones() -> None:
     with echo_server(b"a:") as (first, _), echo_server(b"b:") as (second, _), Forwarder() as relay:
-        relay.retarget(first)
+        relay.retarget(Route(first))
         old, reply = ask(relay, b"x")
         assert reply == b"a:x"
-        relay.retarget(second)
+        relay.retarget(Route(second))
         old.settimeout(5)
         assert old.recv(4096) == b"", "a connection to the old Lighthouse stayed open"
         new, reply = ask(relay, b"y")
@@ -92,7 +92,7 @@ def test_without_a_target_a_connection_is_closed_at_once() -> None:
 
 def test_the_lighthouse_closing_its_side_closes_the_workers_side() -> None:
     with echo_server(b"a:") as (url, accepted), Forwarder() as relay:
-        relay.retarget(url)
+        relay.retarget(Route(url))
         conn, _ = ask(relay, b"x")
         accepted[0].shutdown(socket.SHUT_RDWR)
         conn.settimeout(5)
@@ -101,8 +101,8 @@ def test_the_lighthouse_closing_its_side_closes_the_workers_side() -> None:
 
 
 def test_a_bad_target_is_refused() -> None:
-    with Forwarder() as relay, pytest.raises(ValueError, match="not http://HOST:PORT"):
-        relay.retarget("lighthouse")
+    with pytest.raises(ValueError, match="not http://HOST:PORT"):
+        Route("lighthouse")
 
 
 @given(ttl=st.integers(-3, 30), margin=st.floats(-1, 40), refresh=st.floats(0.01, 5), read=st.floats(0.01, 5))
@@ -230,14 +230,43 @@ def test_a_refresh_in_flight_does_not_give_back_a_seat_given_up_meanwhile() -> N
     assert not seat.mine(), "an agent that gave the seat up took it again"
 
 
-def test_the_relay_stops_passing_bytes_once_its_lighthouse_is_no_longer_current() -> None:
+def test_an_agent_that_deleted_its_live_key_takes_the_seat_again_only_after_the_ttl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Other agents may still relay to this agent's address under the old term for up to the
+    TTL: a Lighthouse of a new term there before that would get two quorum ids per quorum."""
+    clock = [100.0]
+    monkeypatch.setattr("elastic_train.quorum.seat.now", lambda: clock[0])
+    client = FakeClient("a")
+    writes: list[float] = []
+    write = client.write
+    client.write = lambda *a, **k: (writes.append(clock[0]), write(*a, **k))[1]  # type: ignore[method-assign]
+    seat = Seat(SeatConfig(("a:1",), "job", "http://h:1", ttl_s=3), fake_members(client))
+    seat.tick()
+    assert seat.mine() and writes == [100.0]
+    seat.resign()  # its Lighthouse died while the seat was held
+    assert not seat.mine()
+    for t in (100.0, 101.0, 102.9):
+        clock[0] = t
+        seat.tick()
+        assert not seat.mine() and writes == [100.0], f"took the seat back {t - 100:.1f} s after giving it up"
+    clock[0] = 103.0
+    seat.tick()
+    assert seat.mine() and writes == [100.0, 103.0]
+
+
+@pytest.mark.parametrize("view", ["lease ran out", "new term at the same address"])
+def test_the_relay_stops_passing_bytes_once_its_lighthouse_is_no_longer_current(view: str) -> None:
     with echo_server(b"a:") as (url, _):
-        current: list[str | None] = [url]
+        current: list[Route | None] = [Route(url, 5)]
         with Forwarder(current=lambda: current[0]) as relay:
-            relay.retarget(url)
+            relay.retarget(Route(url, 5))
             conn, reply = ask(relay, b"x")
             assert reply == b"a:x"
-            current[0] = None  # the seat's lease ran out; the agent's main loop has not retargeted yet
+            # The agent's main loop has not retargeted yet (nor written the new term for its
+            # workers): either nobody holds the seat as far as it knows, or a new process serves
+            # the same address under another term.
+            current[0] = None if view == "lease ran out" else Route(url, 9)
             conn.sendall(b"y")
             conn.settimeout(5)
             assert conn.recv(4096) == b"", "a byte reached a Lighthouse whose seat may be gone"
