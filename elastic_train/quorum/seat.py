@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_train.etcd_member import EtcdError, split_endpoint
+from elastic_train.quorum.forward import Route
 
 KEY = "/elastic-train/{job}/lighthouse"
 
@@ -313,6 +314,7 @@ class Seat:
         try:
             fields = json.loads(found.value)
             holder = Holder(str(fields["address"]), str(fields["agent"]), int(found.createdIndex))
+            Route(holder.address)  # http://HOST:PORT, or the relay could not lead there
         except (TypeError, ValueError, KeyError) as exc:
             self._say(f"the Lighthouse seat's key holds {found.value!r}, not an agent's record ({exc}); ignored")
             return

@@ -255,6 +255,21 @@ def test_an_agent_that_deleted_its_live_key_takes_the_seat_again_only_after_the_
     assert seat.mine() and writes == [100.0, 103.0]
 
 
+@pytest.mark.parametrize("address", ["lighthouse", "http://h", "http://h:1"])
+def test_a_key_that_names_no_http_host_and_port_leaves_no_holder(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay would have nowhere to lead: the read is ignored, with a message, not a crash."""
+    import json
+
+    client = FakeClient("a")
+    record = SimpleNamespace(value=json.dumps({"address": address, "agent": "other"}), createdIndex=9, ttl=3)
+    monkeypatch.setattr(client, "read", lambda key, quorum: record)
+    seat = Seat(SeatConfig(("a:1",), "job", "http://h:1", ttl_s=3), fake_members(client))
+    monkeypatch.setattr(seat, "_candidate", False)  # only reads
+    seat.tick()
+    good = address == "http://h:1"
+    assert (seat.holder() is not None) == good, seat.holder()
+
+
 @pytest.mark.parametrize("view", ["lease ran out", "new term at the same address"])
 def test_the_relay_stops_passing_bytes_once_its_lighthouse_is_no_longer_current(view: str) -> None:
     with echo_server(b"a:") as (url, _):
