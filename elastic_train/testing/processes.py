@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import resource
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,11 +33,46 @@ TOKEN_VAR = "ELASTIC_TRAIN_TEST_TOKEN"
 _NOT_INHERITED = ("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTIC_TRAIN", "SLURM_", "ET_")
 
 
+# Ports the jobs use by default: a test never picks them.
+_DEFAULT_PORTS = frozenset({2379, 2380, 6817, 6818, 29400, 29500, 29510})
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (and for bind to port 0)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (another process may take it before it is used)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now, below the kernel's ephemeral range.
+
+    A port from bind(0) lies in the ephemeral range, where every outgoing connection of every
+    process on the host (gloo pairs, TCPStore clients, gRPC, etcd requests) takes its local port:
+    in the seconds before a test's child binds the port, one of them may hold it (measured in CI:
+    an etcd member's "bind: address already in use" with the other test lane busy). Below that
+    range only an explicit bind takes a port. Drawn with the OS's randomness, not ``random``'s
+    state, which hypothesis seeds identically in both test lanes."""
+    low, _ = _ephemeral_range()
+    draw = secrets.SystemRandom()
+    if low - _LOWEST_PORT < 1000:  # an unusual kernel setting: fall back to the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for _ in range(100):
+        port = draw.randrange(_LOWEST_PORT, low)
+        if port in _DEFAULT_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found between {_LOWEST_PORT} and {low} in 100 draws")
 
 
 def carrying(name: str, value: str) -> list[int]:
