@@ -204,8 +204,9 @@ class Seat:
 
     def resign(self) -> None:
         """Give the seat up now but stay a candidate: the key is deleted, and the next holder
-        (another agent at its next round, or this one after ``ttl_s``) creates it with a new term. For a Lighthouse
-        that died while its seat was held: a new process must not serve under the old term."""
+        (another agent at its next round, or this one after ``ttl_s``) creates it with a new
+        term. For a Lighthouse that died while its seat was held: a new process must not serve
+        under the old term."""
         with self._lock:
             self._generation += 1
             held, self._mine_until = now() < self._mine_until, 0.0
@@ -331,9 +332,9 @@ class Seat:
     def _clear_stale(self) -> None:
         """The key is this agent's although it does not count the seat as held: a create whose
         reply was lost (a member that applied it and then stalled), or a lease past this agent's
-        own fence but not yet expired in etcd. It is deleted, not taken back: the next holder,
-        this agent included, creates the key anew, and with it a new term, so that every
-        Lighthouse process serves under a term of its own (``quorum.term``)."""
+        own fence but not yet expired in etcd. It is deleted, not taken back: the next holder
+        (this agent only after ``ttl_s``) creates the key anew, and with it a new term, so that
+        every Lighthouse process serves under a term of its own (``quorum.term``)."""
         self._delete_own()
 
     def _report(self, exc: BaseException) -> None:

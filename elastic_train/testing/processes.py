@@ -54,8 +54,9 @@ def free_port() -> int:
     process on the host (gloo pairs, TCPStore clients, gRPC, etcd requests) takes its local port:
     in the seconds before a test's child binds the port, one of them may hold it (measured in CI:
     an etcd member's "bind: address already in use" with the other test lane busy). Below that
-    range only an explicit bind takes a port. Drawn with the OS's randomness, not ``random``'s
-    state, which hypothesis seeds identically in both test lanes."""
+    range only an explicit bind takes a port. Drawn with the OS's randomness, not from
+    ``random``'s global state, which a test may seed (hypothesis does, inside its examples): two
+    test lanes would then draw the same ports."""
     low, _ = _ephemeral_range()
     draw = secrets.SystemRandom()
     if low - _LOWEST_PORT < 1000:  # an unusual kernel setting: fall back to the kernel's choice
