@@ -125,8 +125,9 @@ class TrainConfig:
     parallel: str = "ddp"
     lighthouse: str | None = None  # quorum: the Lighthouse's http://host:port (TORCHFT_LIGHTHOUSE)
     # quorum: how long a step's collective waits for a silent peer (a frozen node costs this); a
-    # dead peer's closed socket fails it at once. Raise it when step times vary by more.
-    peer_timeout: float = 2.0
+    # dead peer's closed socket fails it at once. The bound adds twice the slowest recent wait, so
+    # a loaded host's jitter is absorbed above it (docs/fault-tolerance.md: 1 s measured against 2).
+    peer_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         if self.run_dir is not None:  # frozen: set the derived folders once, here
@@ -151,7 +152,7 @@ class TrainConfig:
                 "use --amp-dtype bf16 (or auto) with --parallel fsdp",
             )
         if not self.peer_timeout > 0:
-            raise UsageError(f"--peer-timeout {self.peer_timeout} must be > 0", "pass seconds, e.g. 2")
+            raise UsageError(f"--peer-timeout {self.peer_timeout} must be > 0", "pass seconds, e.g. 1")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size {self.batch_size} must be >= 1", "pass the global batch, e.g. 256")
         if self.epochs < 1:

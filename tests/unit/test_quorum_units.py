@@ -360,7 +360,7 @@ def test_quorum_settings_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
         replica_config(TrainConfig(ft="quorum", lighthouse="http://127.0.0.1:1"))
     monkeypatch.setenv("REPLICA_GROUP_ID", "3")
     config = replica_config(TrainConfig(ft="quorum", lighthouse="http://127.0.0.1:1"))
-    assert config.replica_id == "replica_3" and config.collective_timeout_s == 2.0
+    assert config.replica_id == "replica_3" and config.collective_timeout_s == 1.0
     with pytest.raises(UsageError, match="--ft"):
         TrainConfig(ft="torchft")
 
