@@ -10,6 +10,10 @@ checkpoints every 2 steps) is launched four ways:
   (``--ft quorum``: the survivor keeps training, the killed worker is forked again and heals);
 * ``fsdp``: ``torchrun`` as above with ``--parallel fsdp`` (FSDP2: parameters, gradients and
   optimizer state sharded over the 2 workers; each checkpoint rank writes its own pieces);
+* ``torchrun-4`` and ``quorum-groups`` (suite: goodput-groups): 4 workers on the node, as one
+  DDP group under ``torchrun --nproc-per-node 4`` or as 2 replica groups of 2 (DDP inside each,
+  the quorum across: ``--nproc-per-node 2 --procs-per-replica 2``), a failure taking its whole
+  group out until it restarts and heals;
 * ``quorum-etcd``: ``quorum`` with ``--lighthouse-etcd`` (three etcd members on loopback, started
   for the benchmark): the Lighthouse's seat and the line record, each step claimed in etcd
   before it commits (``quorum.line``): what that costs, fault-free and under kills.
@@ -86,6 +90,10 @@ LAUNCH = {
     ],
 }
 LAUNCH["quorum-etcd"] = list(LAUNCH["quorum"])  # + --lighthouse-etcd, once its members run (main)
+# Replica groups (issue 20): 4 workers either way, so that the groups' baseline is like for like.
+LAUNCH["torchrun-4"] = [*TORCHRUN[:2], "--nproc-per-node=4", *TORCHRUN[3:]]
+GROUP_SIZE = 2
+LAUNCH["quorum-groups"] = [*LAUNCH["quorum"], "--procs-per-replica", str(GROUP_SIZE)]
 MODE_FLAGS = {"fsdp": ["--parallel", "fsdp"]}
 WORKER = re.compile(r"replica group (\d+): worker pid (\d+)")
 
@@ -201,22 +209,29 @@ def split_restart(base: Path, kills: list[dict[str, Any]], step_s: float) -> dic
     }
 
 
-def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int]) -> dict[str, float]:
+def replica_log(group: int, size: int) -> str:
+    """A replica's event log: one per replica, or one per worker of a group (its rank 0's here)."""
+    return f"replica_{group}.jsonl" if size == 1 else f"replica_{group}.rank0.jsonl"
+
+
+def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int], size: int = 1) -> dict[str, float]:
     """Quorum mode, per failure, from the survivor's log: detection (kill -> its attempt
     discarded: a dead peer's closed socket fails the collective at once), teardown (none: no
     process stops), re-forming (the next quorum: the Lighthouse's heartbeat timeout), state
     transfer (the restarted replica healing from the survivor: the survivor's wait for it) and
-    recomputation (the discarded attempt's work)."""
+    recomputation (the discarded attempt's work). ``size``: workers per replica group (a
+    quorum's world counts workers: one group alone is ``size``, both ``2 * size``)."""
     detect, reform, redo, transfer, heal = [], [], [], [], []
     discarded, changed, healed = events(base, "discarded"), events(base, "quorum_changed"), events(base, "healed")
     for kill in kills:
         victim = pids.get(kill["pid"])
         if victim is None:
             continue
-        survivor_file = f"replica_{1 - victim}.jsonl"
+        survivor_file = replica_log(1 - victim, size)
+        alone, both = size, 2 * size
         lost = [e for e in discarded if e["_file"] == survivor_file and e["_t"] > kill["time"] - 5]
-        shrink = [e for e in changed if e["_file"] == survivor_file and e["_t"] > kill["time"] and e["world"] == 1]
-        grow = [e for e in changed if e["_t"] > kill["time"] and e["world"] == 2 and e["previous_world"] == 1]
+        shrink = [e for e in changed if e["_file"] == survivor_file and e["_t"] > kill["time"] and e["world"] == alone]
+        grow = [e for e in changed if e["_t"] > kill["time"] and e["world"] == both and e["previous_world"] == alone]
         if lost:
             detect.append(max(0.0, lost[0]["_t"] - kill["time"]))
             redo.append(lost[0].get("attempt_s", 0.0))
@@ -225,7 +240,7 @@ def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int]) 
         if grow:
             transfer.append(grow[0].get("quorum_s", 0.0))
         # The replacement's own time for the fetch and load of the peer's state.
-        fetched = [e for e in healed if e["_file"] == f"replica_{victim}.jsonl" and e["_t"] > kill["time"]]
+        fetched = [e for e in healed if e["_file"] == replica_log(victim, size) and e["_t"] > kill["time"]]
         if fetched:
             heal.append(float(fetched[0].get("seconds", 0.0)))
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
@@ -246,9 +261,10 @@ def fault_free_step_s(epochs_s: list[float]) -> float:
     return statistics.median(times) / steps
 
 
-def node_loss(stop: bool) -> float:
-    """Quorum mode, two agents (one worker each); node 1 SIGKILLed (or SIGSTOPped) -> node 0's
-    first commit at world size 1, seconds (from node 0's log)."""
+def node_loss(stop: bool, size: int = 1) -> float:
+    """Quorum mode, two agents (one replica of ``size`` workers each); node 1 SIGKILLed (or
+    SIGSTOPped: a frozen node, or a frozen group) -> node 0's first commit alone, seconds (from
+    node 0's log: its group's rank 0)."""
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         env = base_env({SECRET_VAR: secrets.token_hex(16)})  # several agents: one job secret for all
@@ -259,7 +275,7 @@ def node_loss(stop: bool) -> float:
                 where = ["--lighthouse-port", str(port)] if rank == 0 else ["--lighthouse", f"http://127.0.0.1:{port}"]
                 command = [
                     *LAUNCH["quorum"][:3], "--nnodes", "2", "--node-rank", str(rank), "--run-id", f"bench-{port}",
-                    "--nproc-per-node", "1", *where,
+                    "--nproc-per-node", "1", "--procs-per-replica", str(size), *where,
                     "-m", "elastic_train", *train_flags(6, base),
                 ]  # fmt: skip
                 with (base / f"node{rank}.out").open("wb") as sink:
@@ -270,7 +286,8 @@ def node_loss(stop: bool) -> float:
                     )
                 time.sleep(0 if rank else 3)
             deadline = time.monotonic() + 180
-            while not [e for e in events(base, "committed") if e["world"] == 2 and e["_file"] == "replica_0.jsonl"]:
+            mine = replica_log(0, size)
+            while not [e for e in events(base, "committed") if e["world"] == 2 * size and e["_file"] == mine]:
                 ended = [(i, n.returncode) for i, n in enumerate(nodes) if n.poll() is not None]
                 if ended or time.monotonic() > deadline:
                     tail = (base / f"node{ended[0][0] if ended else 0}.out").read_text()[-2000:]
@@ -280,7 +297,11 @@ def node_loss(stop: bool) -> float:
             lost_at = time.time()
             os.killpg(nodes[1].pid, signal.SIGSTOP if stop else signal.SIGKILL)
             while True:
-                shrink = [e for e in events(base, "quorum_changed") if e["_t"] > lost_at and e["world"] == 1]
+                shrink = [
+                    e
+                    for e in events(base, "quorum_changed")
+                    if e["_t"] > lost_at and e["world"] == size and e["_file"] == mine
+                ]
                 if shrink:
                     return float(shrink[0]["_t"] - lost_at)
                 if time.monotonic() > deadline:
@@ -331,7 +352,8 @@ def summarise(
     for s in soaks:
         if mode.startswith("quorum"):
             pids = {int(pid): int(g) for g, pid in WORKER.findall((s["base"] / "launch.out").read_text())}
-            splits.append(split_quorum(s["base"], s["kills"], pids))
+            size = GROUP_SIZE if mode == "quorum-groups" else 1
+            splits.append(split_quorum(s["base"], s["kills"], pids, size))
         else:
             splits.append(split_restart(s["base"], s["kills"], step_s))
     split = {k: statistics.median(sp[k] for sp in splits) for k in splits[0]} if splits else {}
@@ -359,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--epochs", type=int, default=12, help="~9 s each on 2 CPU workers")
     parser.add_argument("--node-loss-repeats", type=int, default=3)
+    parser.add_argument(
+        "--node-loss-size", type=int, default=1, help="workers per replica group in the node-loss runs (2: groups)"
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--train-flags", default="", help="more trainer flags for every run (one string)")
@@ -411,10 +436,11 @@ def measure(args: argparse.Namespace, modes: list[str], fresh: Any) -> dict[str,
         "reference": min(modes, key=lambda m: ff[m]["wall_s"]),
         "load_1min_max": max(r["load_1min"] for m in modes for r in runs[m] + soaks[m]),
     }
-    if "quorum" in modes and args.node_loss_repeats:
-        kill = [node_loss(stop=False) for _ in range(args.node_loss_repeats)]
-        frozen = [node_loss(stop=True) for _ in range(args.node_loss_repeats)]
-        result["quorum_node_loss_s"] = {"kill": kill, "stop": frozen}
+    if any(m.startswith("quorum") for m in modes) and args.node_loss_repeats:
+        size = args.node_loss_size
+        kill = [node_loss(stop=False, size=size) for _ in range(args.node_loss_repeats)]
+        frozen = [node_loss(stop=True, size=size) for _ in range(args.node_loss_repeats)]
+        result["quorum_node_loss_s"] = {"kill": kill, "stop": frozen, "size": size}
     return result
 
 

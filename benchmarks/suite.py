@@ -54,8 +54,14 @@ FULL["heal"] = ["--mb", "685", "--repeats", "3"]  # the heal's transfer alone, f
 # Quorum mode with and without --lighthouse-etcd (the seat and the line record), in rounds of
 # their own: what claiming every step in etcd costs (~13 minutes; 6 epochs, ~55 s a run).
 FULL["goodput-line"] = "--modes quorum,quorum-etcd --soaks 3 --mtbf 30 --epochs 6 --node-loss-repeats 0".split()
+# Replica groups of 2 workers (DDP inside, the quorum across) beside torchrun with the same 4
+# workers, in rounds of their own, then a group SIGKILLed and a group frozen (~20 minutes).
+FULL["goodput-groups"] = [
+    *"--modes torchrun-4,quorum-groups --soaks 3 --mtbf 30 --epochs 6".split(),
+    *"--node-loss-repeats 3 --node-loss-size 2".split(),
+]
 # Rendered when their results exist (a section added after the others were last measured).
-OPTIONAL = {"goodput-fsdp", "goodput-large", "heal", "goodput-line"}
+OPTIONAL = {"goodput-fsdp", "goodput-large", "heal", "goodput-line", "goodput-groups"}
 QUICK = {
     "overhead": ["--repeats", "1", "--epochs", "2", "--steps", "6"],
     "checkpoint": ["--repeats", "1", "--mb", "40", "--saves", "1", "--every", "8"],
@@ -71,6 +77,10 @@ QUICK = {
     ],
     "heal": ["--mb", "50", "--repeats", "1"],
     "goodput-line": "--modes quorum,quorum-etcd --soaks 1 --mtbf 10 --epochs 2 --node-loss-repeats 0".split(),
+    "goodput-groups": [
+        *"--modes torchrun-4,quorum-groups --soaks 1 --mtbf 10 --epochs 2".split(),
+        *"--node-loss-repeats 1 --node-loss-size 2".split(),
+    ],
 }
 
 
@@ -437,6 +447,8 @@ def render(results: dict[str, dict[str, Any]], quick: bool, when: str) -> str:
         goodput += "\n\n" + goodput_large_section(results["goodput-large"], results.get("heal"))
     if "goodput-line" in results:
         goodput += "\n\n" + goodput_line_section(results["goodput-line"])
+    if "goodput-groups" in results:
+        goodput += "\n\n" + goodput_groups_section(results["goodput-groups"])
     if "heal" in results:
         goodput += "\n\n" + heal_section(results["heal"])
     return f"""# Benchmarks
@@ -649,6 +661,65 @@ ranged {spread(q)} without the record and {spread(e)} with it).{noise}
 | measure | quorum | quorum, `--lighthouse-etcd` |
 | --- | --- | --- |
 {chr(10).join(rows)}"""
+
+
+def goodput_groups_section(g: dict[str, Any]) -> str:
+    """benchmarks/goodput.py --modes torchrun-4,quorum-groups: replica groups of 2 workers (issue 20)."""
+    t, q = (g["modes"][m] for m in ("torchrun-4", "quorum-groups"))
+    split = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f} s" for k, v in q["split_s"].items())
+    targets = [
+        row(
+            "goodput against the fastest mode's median fault-free wall (own overhead charged)",
+            f"**{q['goodput']:.3f}** ({', '.join(f'{v:.3f}' for v in q['goodput_runs'])})",
+            ">= 0.95",
+            verdict(q["goodput"] >= 0.95),
+        ),
+        row(
+            "fault-free wall / torchrun's with the same 4 workers, medians",
+            f"{q['fault_free_wall_s'] / t['fault_free_wall_s']:.3f}",
+            "",
+            "",
+        ),
+        row(
+            "time lost per worker failure (its group out until it heals), median",
+            f"**{q['lost_per_failure_s']:.2f} s** ({', '.join(f'{v:.2f}' for v in q['lost_per_failure_runs_s'])})",
+            "<= 0.5 s",
+            verdict(q["lost_per_failure_s"] <= 0.5),
+        ),
+    ]
+    node = g.get("quorum_node_loss_s")
+    if node:
+        for key, what, bound in (("kill", "SIGKILLed", 3.0), ("stop", "frozen (SIGSTOP)", 2.0)):
+            median = statistics.median(node[key])
+            targets.append(
+                row(
+                    f"a group's agent session {what} -> the other group's first commit alone",
+                    f"**{median:.2f} s** ({', '.join(f'{v:.2f}' for v in node[key])})",
+                    f"<= {bound:g} s",
+                    verdict(median <= bound),
+                )
+            )
+    return f"""### Replica groups of 2 workers: `goodput.py --modes torchrun-4,quorum-groups`
+
+The same job with 4 workers on the node (one thread each on the 2 cores), {g["epochs"]} epochs:
+`torchrun --nproc-per-node=4` (one DDP group, restart mode) beside quorum mode with 2 replica
+groups of 2 workers (`--nproc-per-node 2 --procs-per-replica 2`: DDP inside each group, the
+quorum across them), in {g["soaks"]} rounds of their own (a fault-free run and a soak of each,
+kills {kill_spacing(g)}). A killed worker takes its group out: its agent stops the group's
+other worker and restarts both, which heal worker by worker from the other group while that
+group trains on alone. The node-loss rows run two agents of one group each and SIGKILL or
+SIGSTOP one agent's whole session. Same definitions as above. {goodput_load(g)}
+
+| measure | torchrun, 4 workers | quorum, 2 groups of 2 |
+| --- | --- | --- |
+{chr(10).join(pair_rows(g, ("torchrun-4", "quorum-groups")))}
+
+| quorum mode, groups of 2: targets | measured (rounds) | target | |
+| --- | --- | --- | --- |
+{chr(10).join(targets)}
+
+Where a failure of quorum mode's groups goes (medians over the kills, from the surviving group's
+rank 0): {split}."""
 
 
 def goodput_large_section(g: dict[str, Any], heal: dict[str, Any] | None) -> str:

@@ -29,3 +29,5 @@ def test_the_benchmarks_page_renders_from_the_committed_results(tmp_path: Path) 
         assert "### The same with a large model" in text
     if (results / "heal.json").exists():
         assert "### The heal's transfer alone" in text
+    if (results / "goodput-groups.json").exists():
+        assert "### Replica groups of 2 workers" in text and "| quorum mode, groups of 2: targets |" in text
