@@ -30,8 +30,8 @@ from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from elastic_train.distributed.ddp import replicate
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.shard_state import load_module_shards, load_optimizer_shards, local_shard, local_state
 from elastic_train.errors import UsageError
@@ -80,7 +80,7 @@ class RestartSteps:
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """DDP: rank 0's weights broadcast, the gradient average overlapped with backward."""
-        return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return replicate(module, [self.device.index] if self.device.type == "cuda" else None)
 
     def register_state(self, name: str, load: Callable[[T], None], state: Callable[[], T]) -> None:
         """Nothing to register: restart mode's state after a failure is the checkpoint's."""
@@ -158,7 +158,7 @@ class QuorumSteps:
             return shard_model(module, mesh_for(device, self.group_size))
         if self.group_size == 1:
             return module
-        return DistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if _on_cuda(module) else None)
+        return replicate(module, [torch.cuda.current_device()] if _on_cuda(module) else None)
 
     def register_state(self, name: str, load: Callable[[T], None], state: Callable[[], T]) -> None:
         self.replica.register_state(name, load, state)

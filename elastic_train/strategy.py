@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.boundary import Decision, StepBoundary
 from elastic_train.data import make_loaders
+from elastic_train.distributed.ddp import replicate
 from elastic_train.distributed.env import DistEnv
 from elastic_train.distributed.process_group import Placement, all_reduce_max, all_reduce_sum
 from elastic_train.early_stop import decide_stop
@@ -144,9 +145,9 @@ class RestartStrategy:
             blocks = task.fsdp_blocks(module) if task.fsdp_blocks is not None else None
             # In place: ``module`` is the sharded root, called directly (no wrapper).
             return shard_model(module, mesh_for(loop.device, self.env.world_size), blocks, loop.precision.dtype)
-        return DistributedDataParallel(
+        return replicate(
             module,
-            device_ids=[loop.device.index] if self.placement.is_cuda else None,
+            [loop.device.index] if self.placement.is_cuda else None,
             gradient_as_bucket_view=True,
             find_unused_parameters=loop.task.find_unused_parameters,
         )
