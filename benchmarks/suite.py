@@ -532,13 +532,13 @@ def kill_spacing(g: dict[str, Any]) -> str:
     return f"every {g['mtbf_s']:.0f} s"
 
 
-def goodput_load(g: dict[str, Any]) -> str:
+def goodput_load(g: dict[str, Any], workers: int = 2) -> str:
     """How busy the machine was: the highest 1-minute load average seen after a run."""
     if "load_1min_max" not in g:
         return ""
     return (
         f"The 1-minute load average after each run was at most {g['load_1min_max']:.1f} on 2 cores (the "
-        "benchmark alone keeps about 2 busy: well above that, other work shared the machine)."
+        f"benchmark alone keeps about {workers} busy: well above that, other work shared the machine)."
     )
 
 
@@ -709,7 +709,8 @@ quorum across them), in {g["soaks"]} rounds of their own (a fault-free run and a
 kills {kill_spacing(g)}). A killed worker takes its group out: its agent stops the group's
 other worker and restarts both, which heal worker by worker from the other group while that
 group trains on alone. The node-loss rows run two agents of one group each and SIGKILL or
-SIGSTOP one agent's whole session. Same definitions as above. {goodput_load(g)}
+SIGSTOP one agent's whole session. Same definitions as above. {goodput_load(g, workers=4)}
+{g.get("caveat", "")}
 
 | measure | torchrun, 4 workers | quorum, 2 groups of 2 |
 | --- | --- | --- |
