@@ -1,7 +1,7 @@
 """Goodput under worker failures, the way a user sees it: torchrun restarts (DDP, FSDP2) vs the warm launcher vs quorum.
 
 The same training job (synthetic data, the ViT, global batch 128, 2 CPU workers on one node,
-checkpoints every 2 steps) is launched four ways:
+checkpoints every 2 steps) is launched these ways:
 
 * ``torchrun``: ``torchrun --standalone --nproc-per-node 2 --max-restarts 100 -m elastic_train``
   (a failure restarts both workers from the last checkpoint);
@@ -436,7 +436,7 @@ def measure(args: argparse.Namespace, modes: list[str], fresh: Any) -> dict[str,
         "reference": min(modes, key=lambda m: ff[m]["wall_s"]),
         "load_1min_max": max(r["load_1min"] for m in modes for r in runs[m] + soaks[m]),
     }
-    if any(m.startswith("quorum") for m in modes) and args.node_loss_repeats:
+    if ("quorum" in modes or "quorum-groups" in modes) and args.node_loss_repeats:
         size = args.node_loss_size
         kill = [node_loss(stop=False, size=size) for _ in range(args.node_loss_repeats)]
         frozen = [node_loss(stop=True, size=size) for _ in range(args.node_loss_repeats)]

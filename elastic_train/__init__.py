@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "process_group": "elastic_train.distributed.process_group",
     "ControlPlane": "elastic_train.distributed.process_group",
     "shard_model": "elastic_train.distributed.fsdp",
+    "replicate": "elastic_train.distributed.ddp",
     "mesh_for": "elastic_train.distributed.fsdp",
     "default_blocks": "elastic_train.distributed.fsdp",
     "reshard_all": "elastic_train.distributed.fsdp",
@@ -140,6 +141,7 @@ if TYPE_CHECKING:  # what type checkers see: the same names, eagerly (`as` marks
     from elastic_train.data import Indexed as Indexed
     from elastic_train.data.sampler import EvalBatchSampler as EvalBatchSampler
     from elastic_train.data.sampler import GlobalBatchSampler as GlobalBatchSampler
+    from elastic_train.distributed.ddp import replicate as replicate
     from elastic_train.distributed.env import DistEnv as DistEnv
     from elastic_train.distributed.fsdp import default_blocks as default_blocks
     from elastic_train.distributed.fsdp import mesh_for as mesh_for

@@ -79,7 +79,8 @@ class RestartSteps:
         self._step = step
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        """DDP: rank 0's weights broadcast, the gradient average overlapped with backward."""
+        """DDP: rank 0's weights broadcast; from three ranks on with its buckets fixed, so that a
+        resume is bitwise (``elastic_train.distributed.ddp``)."""
         return replicate(module, [self.device.index] if self.device.type == "cuda" else None)
 
     def register_state(self, name: str, load: Callable[[T], None], state: Callable[[], T]) -> None:
@@ -158,7 +159,8 @@ class QuorumSteps:
             return shard_model(module, mesh_for(device, self.group_size))
         if self.group_size == 1:
             return module
-        return replicate(module, [torch.cuda.current_device()] if _on_cuda(module) else None)
+        # Quorum mode is equal up to summation order: DDP's own buckets, which overlap the backward.
+        return replicate(module, [torch.cuda.current_device()] if _on_cuda(module) else None, fixed_buckets=False)
 
     def register_state(self, name: str, load: Callable[[T], None], state: Callable[[], T]) -> None:
         self.replica.register_state(name, load, state)

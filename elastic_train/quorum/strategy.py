@@ -319,6 +319,7 @@ class QuorumStrategy:
         return replicate(
             module,
             [loop.device.index] if loop.device.type == "cuda" else None,
+            fixed_buckets=False,  # equal up to summation order: DDP's own buckets overlap the backward
             gradient_as_bucket_view=True,
             find_unused_parameters=loop.task.find_unused_parameters,
         )
