@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.checkpoint.format import step_dir_name
-from tests.helpers import RESUME_RUN, assert_bitwise_equal, cli, dirs, epoch_metrics, final_state, torchrun
+from tests.helpers import RESUME_RUN, Finished, assert_bitwise_equal, cli, dirs, epoch_metrics, final_state, torchrun
 
 pytestmark = pytest.mark.timeout(300)
 # torch's defaults (the agent's shared store across restarts): what a user's plain torchrun gets.
@@ -52,20 +52,26 @@ def test_a_two_rank_checkpoint_resumed_by_one_rank_sees_every_sample_once(tmp_pa
     assert ours == theirs, "a sample was skipped or repeated across the change of world size"
 
 
+def uninterrupted_and_killed(
+    tmp_path: Path, launch: list[str], args: list[str], fault: str
+) -> tuple[Path, Path, Finished]:
+    """The same job run through, then with ``fault`` (one restart allowed); both must succeed.
+    Returns their run folders and the killed run's result."""
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    done = torchrun(launch, [*args, *dirs(reference)], env=AGENT_ENV)
+    assert done.returncode == 0, done.output
+    done = torchrun(
+        [*launch, "--max-restarts=1"], [*args, *dirs(killed)], env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": fault}
+    )
+    assert done.returncode == 0, done.output
+    return reference, killed, done
+
+
 def test_a_model_with_buffers_resumes_bitwise_after_a_worker_kill(tmp_path: Path) -> None:
     """ResNet-18's BatchNorm statistics differ between ranks at a step boundary (each rank's own
     batch updated them); DDP re-broadcasts rank 0's at the next forward, so rank 0's are saved."""
     args = [*RESUME_RUN, "--model", "resnet18", "--image-size", "16"]
-    reference = tmp_path / "reference"
-    done = torchrun(STANDALONE_2, [*args, *dirs(reference)], env=AGENT_ENV)
-    assert done.returncode == 0, done.output
-    killed = tmp_path / "killed"
-    done = torchrun(
-        [*STANDALONE_2, "--max-restarts=1"],
-        [*args, *dirs(killed)],
-        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=8"},
-    )
-    assert done.returncode == 0, done.output
+    reference, killed, done = uninterrupted_and_killed(tmp_path, STANDALONE_2, args, "kill:rank=1:step=8")
     assert "Resumed from" in done.stdout and not done.leftovers
     state = final_state(killed)
     assert any(k.endswith("running_mean") for k in state), "no BatchNorm buffers in the checkpoint"
@@ -79,16 +85,7 @@ def test_three_workers_killed_and_restarted_end_bitwise_equal_to_an_uninterrupte
     over other buckets than the uninterrupted run's (the weights drifted by ~1e-5 at 4 workers;
     two ranks sum in either order alike). ``elastic_train.distributed.ddp`` fixes the layout."""
     standalone_3 = ["--standalone", "--nproc_per_node=3"]
-    reference = tmp_path / "reference"
-    done = torchrun(standalone_3, [*RESUME_RUN, *dirs(reference)], env=AGENT_ENV)
-    assert done.returncode == 0, done.output
-    killed = tmp_path / "killed"
-    done = torchrun(
-        [*standalone_3, "--max-restarts=1"],
-        [*RESUME_RUN, *dirs(killed)],
-        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "kill:rank=2:step=8"},
-    )
-    assert done.returncode == 0, done.output
+    reference, killed, done = uninterrupted_and_killed(tmp_path, standalone_3, RESUME_RUN, "kill:rank=2:step=8")
     assert f"Resumed from {killed / 'ckpt' / step_dir_name(6)} at epoch 2, step 6" in done.stdout
     assert not done.leftovers
     assert_bitwise_equal(final_state(reference), final_state(killed))
