@@ -30,6 +30,7 @@ from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from elastic_train.distributed.ddp import replicate
 from elastic_train.distributed.env import DistEnv
@@ -159,8 +160,9 @@ class QuorumSteps:
             return shard_model(module, mesh_for(device, self.group_size))
         if self.group_size == 1:
             return module
-        # Quorum mode is equal up to summation order: DDP's own buckets, which overlap the backward.
-        return replicate(module, [torch.cuda.current_device()] if _on_cuda(module) else None, fixed_buckets=False)
+        # Plain DDP: quorum mode is equal up to summation order, so its own buckets (which overlap
+        # the backward) stay.
+        return DistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if _on_cuda(module) else None)
 
     def register_state(self, name: str, load: Callable[[T], None], state: Callable[[], T]) -> None:
         self.replica.register_state(name, load, state)

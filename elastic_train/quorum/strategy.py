@@ -56,6 +56,7 @@ import numpy as np
 import structlog
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
 from elastic_train.boundary import Decision
@@ -65,7 +66,6 @@ from elastic_train.checkpoint.snapshot import Snapshot
 from elastic_train.config import TrainConfig
 from elastic_train.data import Indexed
 from elastic_train.data.sampler import loss_weight, split_evenly
-from elastic_train.distributed.ddp import replicate
 from elastic_train.distributed.shard_state import load_module_shards, load_optimizer_shards, local_shard, local_state
 from elastic_train.errors import UsageError
 from elastic_train.faults import FaultInjector
@@ -316,10 +316,11 @@ class QuorumStrategy:
             return sharded
         if self.comm.size == 1:
             return module
-        return replicate(
+        # Plain DDP: quorum mode is equal up to summation order, so its own buckets (which overlap
+        # the backward) stay; restart mode fixes them (elastic_train.distributed.ddp).
+        return DistributedDataParallel(
             module,
-            [loop.device.index] if loop.device.type == "cuda" else None,
-            fixed_buckets=False,  # equal up to summation order: DDP's own buckets overlap the backward
+            device_ids=[loop.device.index] if loop.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
             find_unused_parameters=loop.task.find_unused_parameters,
         )
