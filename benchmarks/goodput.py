@@ -31,9 +31,10 @@ headline figure, what failures cost a mode. A second figure takes the FASTEST mo
 fault-free wall as the reference, so that a mode's own overhead counts as lost too. Time lost
 per failure = (soak wall - the round's fault-free wall) / kills, medians over the rounds, split
 from the trainer's event logs (see ``split_restart`` and ``split_quorum``). Quorum mode's node
-loss (one of two agents and its worker SIGKILLed, or SIGSTOPped: a frozen node) -> first step at
-the smaller size is timed too. Targets (issue 11): quorum goodput >= 0.95, <= 1 s lost per worker failure, node loss ->
-first step <= 3 s.
+loss (one of two agents and its worker SIGKILLed, or SIGSTOPped: a frozen node; with groups of
+several workers also one worker alone SIGSTOPped, whose group's rank 0 keeps heartbeating) ->
+first step at the smaller size is timed too. Targets (issue 11): quorum goodput >= 0.95, <= 1 s
+lost per worker failure, node loss -> first step <= 3 s.
 
     python benchmarks/goodput.py [--soaks 3] [--mtbf 30] [--spacing fixed|random] [--epochs 12] [--json out.json]
 """
@@ -261,10 +262,16 @@ def fault_free_step_s(epochs_s: list[float]) -> float:
     return statistics.median(times) / steps
 
 
-def node_loss(stop: bool, size: int = 1) -> float:
-    """Quorum mode, two agents (one replica of ``size`` workers each); node 1 SIGKILLed (or
-    SIGSTOPped: a frozen node, or a frozen group) -> node 0's first commit alone, seconds (from
-    node 0's log: its group's rank 0)."""
+NODE_FAULTS = ("kill", "stop", "stop-worker")
+GROUP_RANK_1 = re.compile(r"replica group \d+: worker pid (\d+) \(restart 0\), group rank 1")
+
+
+def node_loss(fault: str, size: int = 1) -> float:
+    """Quorum mode, two agents (one replica of ``size`` workers each); node 1's whole session
+    SIGKILLed (``kill``) or SIGSTOPped (``stop``: a frozen node, or a frozen group), or only its
+    group rank 1 SIGSTOPped (``stop-worker``: its group's watch must take the group out) ->
+    node 0's first commit alone, seconds (from node 0's log: its group's rank 0)."""
+    assert fault in NODE_FAULTS and (size > 1 or fault != "stop-worker"), (fault, size)
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         env = base_env({SECRET_VAR: secrets.token_hex(16)})  # several agents: one job secret for all
@@ -294,8 +301,14 @@ def node_loss(stop: bool, size: int = 1) -> float:
                     raise RuntimeError(f"no commit at world 2 in {base} (agents ended: {ended}):\n{tail}")
                 time.sleep(0.1)
             time.sleep(2)
+            worker = GROUP_RANK_1.findall((base / "node1.out").read_text()) if fault == "stop-worker" else []
             lost_at = time.time()
-            os.killpg(nodes[1].pid, signal.SIGSTOP if stop else signal.SIGKILL)
+            if worker:
+                os.kill(int(worker[0]), signal.SIGSTOP)
+            elif fault == "stop-worker":
+                raise RuntimeError(f"node 1 printed no group rank 1's pid:\n{(base / 'node1.out').read_text()[-2000:]}")
+            else:
+                os.killpg(nodes[1].pid, signal.SIGSTOP if fault == "stop" else signal.SIGKILL)
             while True:
                 shrink = [
                     e
@@ -311,6 +324,9 @@ def node_loss(stop: bool, size: int = 1) -> float:
             for node in nodes:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(node.pid, signal.SIGCONT)
+            for pid in worker:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGCONT)
             kill_tagged(env[TOKEN_VAR])
 
 
@@ -438,9 +454,9 @@ def measure(args: argparse.Namespace, modes: list[str], fresh: Any) -> dict[str,
     }
     if ("quorum" in modes or "quorum-groups" in modes) and args.node_loss_repeats:
         size = args.node_loss_size
-        kill = [node_loss(stop=False, size=size) for _ in range(args.node_loss_repeats)]
-        frozen = [node_loss(stop=True, size=size) for _ in range(args.node_loss_repeats)]
-        result["quorum_node_loss_s"] = {"kill": kill, "stop": frozen, "size": size}
+        faults = NODE_FAULTS if size > 1 else NODE_FAULTS[:2]
+        timed = {f.replace("-", "_"): [node_loss(f, size) for _ in range(args.node_loss_repeats)] for f in faults}
+        result["quorum_node_loss_s"] = {**timed, "size": size}
     return result
 
 
@@ -455,7 +471,9 @@ def report(result: dict[str, Any], out: Path | None) -> None:
     if "quorum_node_loss_s" in result:
         nl = result["quorum_node_loss_s"]
         killed, frozen = statistics.median(nl["kill"]), statistics.median(nl["stop"])
-        print(f"quorum node loss -> first step: killed {killed:.2f} s, frozen {frozen:.2f} s")
+        worker = nl.get("stop_worker")
+        alone = f", one worker of the group frozen {statistics.median(worker):.2f} s" if worker else ""
+        print(f"quorum node loss -> first step: killed {killed:.2f} s, frozen {frozen:.2f} s{alone}")
     result["load_average"] = list(os.getloadavg())
     if out:
         out.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -690,11 +690,18 @@ def goodput_groups_section(g: dict[str, Any]) -> str:
     ]
     node = g.get("quorum_node_loss_s")
     if node:
-        for key, what, bound in (("kill", "SIGKILLed", 3.0), ("stop", "frozen (SIGSTOP)", 2.0)):
+        faults = (
+            ("kill", "a group's agent session SIGKILLed", 3.0),
+            ("stop", "a group's agent session frozen (SIGSTOP)", 2.0),
+            ("stop_worker", "one worker of a group frozen (SIGSTOP; its group's rank 0 beats on)", 2.0),
+        )
+        for key, what, bound in faults:
+            if key not in node:  # results from before the one-worker row
+                continue
             median = statistics.median(node[key])
             targets.append(
                 row(
-                    f"a group's agent session {what} -> the other group's first commit alone",
+                    f"{what} -> the other group's first commit alone",
                     f"**{median:.2f} s** ({', '.join(f'{v:.2f}' for v in node[key])})",
                     f"<= {bound:g} s",
                     verdict(median <= bound),
@@ -709,7 +716,8 @@ quorum across them), in {g["soaks"]} rounds of their own (a fault-free run and a
 kills {kill_spacing(g)}). A killed worker takes its group out: its agent stops the group's
 other worker and restarts both, which heal worker by worker from the other group while that
 group trains on alone. The node-loss rows run two agents of one group each and SIGKILL or
-SIGSTOP one agent's whole session. Same definitions as above. {goodput_load(g, workers=4)}
+SIGSTOP one agent's whole session, or SIGSTOP its group rank 1 alone (its group's watch must
+notice: `--peer-timeout` of silence). Same definitions as above. {goodput_load(g, workers=4)}
 {g.get("caveat", "")}
 
 | measure | torchrun, 4 workers | quorum, 2 groups of 2 |

@@ -182,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.peer_timeout,
         help="quorum mode: seconds a step's collective waits for a silent peer, on top of twice the slowest recent "
-        "wait (a frozen node or a cut network costs the survivors this; a dead peer fails it at once). Raise it "
-        "where a host can stall a worker for longer with no slow collective before it",
+        "wait (a frozen node or a cut network costs the survivors this; a dead peer fails it at once), and how "
+        "long a worker of a replica group may go silent before its group leaves the quorum. Raise it where a "
+        "host can stall a worker for longer with no slow collective before it",
     )
     ck = p.add_argument_group("checkpoints")
     ck.add_argument(

@@ -245,7 +245,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     quorum.add_argument(
         "--peer-silence",
         type=float,
-        default=3.0,
+        default=1.0,
         help="seconds a worker of a replica group may stay silent before its group leaves the quorum "
         "(a frozen worker; the other groups go on)",
     )

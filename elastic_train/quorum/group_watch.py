@@ -79,6 +79,9 @@ class GroupWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="group-watch", daemon=True)
         self._beats = 0
+        # The longest a peer's counter stood still before it moved again (a stalled round not
+        # counted): how close this group ran to ``silence_s``, logged when the watch stops.
+        self.longest_silence_s = 0.0
 
     def start(self) -> GroupWatch:
         self.store.set(f"{self.prefix}pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
@@ -143,6 +146,8 @@ class GroupWatch:
                     continue
                 last_value, since = seen.get(peer, (None, now))
                 if value != last_value or stalled:
+                    if value != last_value and not stalled and last_value is not None:
+                        self.longest_silence_s = max(self.longest_silence_s, now - since)
                     seen[peer] = (value, now)
                 elif now - since > self.silence_s:
                     self._leave(peer, now - since)

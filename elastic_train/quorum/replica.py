@@ -53,6 +53,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, TypeVar
 
+import structlog
 import torch
 from torch import nn
 from torch.distributed import AllreduceOptions, ReduceOp
@@ -66,6 +67,8 @@ from elastic_train.quorum.schedule import QuorumSchedule, StepShare
 from elastic_train.quorum.term import follow_terms
 
 T = TypeVar("T")
+
+log = structlog.get_logger(__name__)
 
 # Exit status of a worker whose state may be half updated (an error after the commit vote): the
 # agent counts it as a failure and restarts the worker, which heals from a live peer.
@@ -112,8 +115,10 @@ class ReplicaConfig:
     # A replica group of several workers: a worker whose liveness counter in the group's store
     # has not moved for this long is taken for frozen, and every other worker of the group exits
     # (``group_watch``), so that the group leaves the quorum within about this long plus the
-    # Lighthouse's heartbeat timeout. Above any stretch a worker's Python keeps the GIL.
-    peer_silence_s: float = 3.0
+    # Lighthouse's heartbeat timeout. Above any stretch a worker's Python keeps the GIL (the heal
+    # transfer's longest is ~15 ms for 400 MB: measured) or its host leaves it unscheduled; the
+    # longest silence a run saw is logged (``group_watch_stopped``) to show the margin.
+    peer_silence_s: float = 1.0
     # Advertised to peers (the state transfer; the group's store when torchrun's MASTER_ADDR is a
     # loopback name): must reach this host from theirs. HOST_VAR overrides the host name (e.g.
     # an address where names do not resolve).
@@ -511,6 +516,11 @@ class Replica:
         group's other workers should not take its silence for a freeze."""
         if self._watch is not None:
             self._watch.stop(left=clean)
+            log.info(
+                "group_watch_stopped",
+                longest_silence_s=round(self._watch.longest_silence_s, 3),
+                bound_s=self._watch.silence_s,
+            )
         self.manager.shutdown(wait=False)
 
     def __enter__(self) -> Replica:

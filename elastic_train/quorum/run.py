@@ -70,6 +70,9 @@ def replica_config(cfg: TrainConfig) -> ReplicaConfig:
             # A dead peer's closed socket fails a collective at once; a frozen one (SIGSTOP, a cut
             # network) holds it until this timeout: the survivors' cost of a node loss.
             collective_timeout_s=cfg.peer_timeout,
+            # The same bound inside a replica group of several workers: a worker whose liveness
+            # counter stood still this long is taken for frozen and its group leaves the quorum.
+            peer_silence_s=cfg.peer_timeout,
             # A quorum wait and the heal after it are one phase for the step watchdog (it beats
             # before each quorum): both end inside its limit (``phase_bounds``).
             quorum_timeout_s=bounds.quorum_s,

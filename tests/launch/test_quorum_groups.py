@@ -217,7 +217,7 @@ def assert_exactly_once(
 
 # A frozen worker's group must leave the quorum on its own: its rank 0 keeps heartbeating, and the
 # Lighthouse will not form a quorum of a minority of the groups it sees healthy. Every worker of
-# the group watches the others' liveness counters (GroupWatch, --peer-silence 3 s); a silent one
+# the group watches the others' liveness counters (GroupWatch, --peer-silence 1 s); a silent one
 # is SIGKILLed (torchrun would wait a fixed 30 s for it to act on SIGTERM) and the rest exit, so
 # the group drops out and its agent restarts it. --group-timeout and --quorum-timeout bound what
 # the watch does not see.
@@ -270,6 +270,6 @@ def test_a_frozen_worker_takes_its_group_out_the_other_group_commits_on_and_the_
     assert_finished_equal(logs, steps)
     print(
         f"\nfrozen worker: the other group committed alone {alone_at - frozen_at:.2f}s after the SIGSTOP "
-        f"(peer silence 3 s); the frozen group was back {max(back):.1f}s after it; "
+        f"(peer silence 1 s); the frozen group was back {max(back):.1f}s after it; "
         f"test {time.monotonic() - started:.1f}s"
     )
