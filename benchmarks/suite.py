@@ -55,7 +55,8 @@ FULL["heal"] = ["--mb", "685", "--repeats", "3"]  # the heal's transfer alone, f
 # their own: what claiming every step in etcd costs (~13 minutes; 6 epochs, ~55 s a run).
 FULL["goodput-line"] = "--modes quorum,quorum-etcd --soaks 3 --mtbf 30 --epochs 6 --node-loss-repeats 0".split()
 # Replica groups of 2 workers (DDP inside, the quorum across) beside torchrun with the same 4
-# workers, in rounds of their own, then a group SIGKILLed and a group frozen (~20 minutes).
+# workers, in rounds of their own, then a group SIGKILLed, a group frozen and one worker of a group
+# frozen (~25 minutes).
 FULL["goodput-groups"] = [
     *"--modes torchrun-4,quorum-groups --soaks 3 --mtbf 30 --epochs 6".split(),
     *"--node-loss-repeats 3 --node-loss-size 2".split(),

@@ -72,7 +72,8 @@ class GroupWatch:
         if silence_s <= 0:
             raise ValueError(f"silence_s must be positive, got {silence_s}")
         self.store, self.rank, self.world, self.silence_s = store, rank, world, silence_s
-        self.interval_s = interval_s if interval_s is not None else min(0.2, silence_s / 5)
+        # A tenth of the bound: a silence is noticed within 10% of it (three store calls a round).
+        self.interval_s = interval_s if interval_s is not None else min(0.2, silence_s / 10)
         self.prefix = f"elastic_train/alive/{attempt}/"
         self.on_silent, self.kill_silent_peer = on_silent, kill_silent_peer
         self.startup_s = startup_s if startup_s is not None else silence_s

@@ -35,14 +35,14 @@ def test_live_peers_are_never_reported_and_a_frozen_one_is_within_its_bound() ->
     try:
         time.sleep(1.5)  # three silence bounds of healthy beating
         assert not any(s.messages for s in silent), [s.messages for s in silent]
-        # The margin each watcher saw: beats every 0.1 s, so a counter stood still about that long.
+        # The margin each watcher saw: beats every 0.05 s, so a counter stood still about that long.
         margins = [w.longest_silence_s for w in watches]
-        assert all(0.05 < m < 0.5 for m in margins), margins
+        assert all(0 < m < 0.5 for m in margins), margins
         watches[2]._stop.set()  # worker 2 freezes: its counter stops, it does not say it left
         frozen_at = time.monotonic()
         assert silent[0].event.wait(3) and silent[1].event.wait(3)
         noticed = time.monotonic() - frozen_at
-        assert 0.5 - 0.1 - 0.05 <= noticed < 3.0, noticed  # the last beat came up to one interval (0.1 s) before
+        assert 0.5 - 0.05 - 0.05 <= noticed < 3.0, noticed  # the last beat came up to one interval (0.05 s) before
         assert all("worker 2" in s.messages[0] and "silent" in s.messages[0] for s in silent[:2])
         # The silence that ended the watch is not a margin: the counter never moved again.
         assert all(w.longest_silence_s < 0.5 for w in watches[:2]), [w.longest_silence_s for w in watches]
