@@ -119,7 +119,7 @@ def run_benchmark(name: str, args: list[str], results: Path) -> dict[str, Any]:
     # Where and when, so that a page rendered later from mixed results says so.
     data["measured_on"] = machine()
     data["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    out.write_text(json.dumps(data, indent=2))
+    out.write_text(json.dumps(data, indent=2) + "\n")
     return data
 
 
@@ -669,12 +669,25 @@ def goodput_groups_section(g: dict[str, Any]) -> str:
     """benchmarks/goodput.py --modes torchrun-4,quorum-groups: replica groups of 2 workers (issue 20)."""
     t, q = (g["modes"][m] for m in ("torchrun-4", "quorum-groups"))
     split = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f} s" for k, v in q["split_s"].items())
+    # A soak faster than its own round's fault-free run: the noise exceeded what the kills cost,
+    # and neither a goodput nor a loss per kill is resolved, whichever side of its target it lands.
+    noisy = q.get("noisy_rounds", 0)
+    unresolved = "**inconclusive**" if noisy else ""
+    walls = q.get("fault_free_walls_s") or [q["fault_free_wall_s"]]
+    noise = (
+        f" In {noisy} of {g['soaks']} rounds a groups' soak ran faster than its own fault-free run (their"
+        f" fault-free walls ranged {min(walls):.0f}-{max(walls):.0f} s): the machine's noise exceeded what"
+        " the kills cost, so the goodput and loss per kill below are **inconclusive**, not met; the"
+        " split per failure further down is measured from the logs and stands."
+        if noisy
+        else ""
+    )
     targets = [
         row(
             "goodput against the fastest mode's median fault-free wall (own overhead charged)",
             f"**{q['goodput']:.3f}** ({', '.join(f'{v:.3f}' for v in q['goodput_runs'])})",
             ">= 0.95",
-            verdict(q["goodput"] >= 0.95),
+            unresolved or verdict(q["goodput"] >= 0.95),
         ),
         row(
             "fault-free wall / torchrun's with the same 4 workers, medians",
@@ -686,7 +699,7 @@ def goodput_groups_section(g: dict[str, Any]) -> str:
             "time lost per worker failure (its group out until it heals), median",
             f"**{q['lost_per_failure_s']:.2f} s** ({', '.join(f'{v:.2f}' for v in q['lost_per_failure_runs_s'])})",
             "<= 0.5 s",
-            verdict(q["lost_per_failure_s"] <= 0.5),
+            unresolved or verdict(q["lost_per_failure_s"] <= 0.5),
         ),
     ]
     node = g.get("quorum_node_loss_s")
@@ -718,7 +731,7 @@ kills {kill_spacing(g)}). A killed worker takes its group out: its agent stops t
 other worker and restarts both, which heal worker by worker from the other group while that
 group trains on alone. The node-loss rows run two agents of one group each and SIGKILL or
 SIGSTOP one agent's whole session, or SIGSTOP its group rank 1 alone (its group's watch must
-notice: `--peer-timeout` of silence). Same definitions as above. {goodput_load(g, workers=4)}
+notice: `--peer-timeout` of silence). Same definitions as above. {goodput_load(g, workers=4)}{noise}
 {g.get("caveat", "")}
 
 | measure | torchrun, 4 workers | quorum, 2 groups of 2 |
