@@ -277,6 +277,7 @@ def node_loss(fault: str, size: int = 1) -> float:
         env = base_env({SECRET_VAR: secrets.token_hex(16)})  # several agents: one job secret for all
         port = free_port()
         nodes = []
+        worker: list[str] = []  # the frozen worker's pid (stop-worker), thawed on every way out
         try:
             for rank in (0, 1):
                 where = ["--lighthouse-port", str(port)] if rank == 0 else ["--lighthouse", f"http://127.0.0.1:{port}"]

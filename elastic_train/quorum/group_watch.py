@@ -24,8 +24,9 @@ What it does not see, and what it could misread:
   releases the GIL (a deadlocked collective, a hung CUDA kernel or file system) keeps beating;
   that case ends at the group's collective timeout (``--group-timeout``);
 * a C call that holds the GIL for longer than ``silence_s`` starves the thread (Python switches
-  threads every 5 ms otherwise); serialising a very large shard for a healing peer may be one
-  (not measured): choose ``silence_s`` above any such stretch;
+  threads every 5 ms otherwise): choose ``silence_s`` above any such stretch. The heal transfer
+  is not one (measured beside a 400 MB state: 12 ms at the source, 15 ms at the healer);
+* a store call slower than ``silence_s`` (its client's timeout) reads as silence too;
 * a pause of the whole group (a VM or job suspend) is not a freeze of one worker: a watcher
   whose own loop was late by more than half the bound judges nobody that round, only re-reads;
 * a peer that has not published yet is given ``startup_s`` from this watcher's start (its imports
@@ -72,7 +73,8 @@ class GroupWatch:
         if silence_s <= 0:
             raise ValueError(f"silence_s must be positive, got {silence_s}")
         self.store, self.rank, self.world, self.silence_s = store, rank, world, silence_s
-        # A tenth of the bound: a silence is noticed within 10% of it (three store calls a round).
+        # A tenth of the bound, at most 0.2 s: a silence is noticed within 10% of it (three store
+        # calls a round).
         self.interval_s = interval_s if interval_s is not None else min(0.2, silence_s / 10)
         self.prefix = f"elastic_train/alive/{attempt}/"
         self.on_silent, self.kill_silent_peer = on_silent, kill_silent_peer
@@ -80,9 +82,12 @@ class GroupWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="group-watch", daemon=True)
         self._beats = 0
-        # The longest a peer's counter stood still before it moved again (a stalled round not
-        # counted): how close this group ran to ``silence_s``, logged when the watch stops.
+        # How close this group ran to ``silence_s``, logged when the watch stops: the longest a
+        # peer's counter stood still before it moved again (rounds after a stall not counted),
+        # the stalled rounds themselves, and the longest gap between this watcher's own rounds.
         self.longest_silence_s = 0.0
+        self.stalled_rounds = 0
+        self.longest_round_s = 0.0
 
     def start(self) -> GroupWatch:
         self.store.set(f"{self.prefix}pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
@@ -126,6 +131,8 @@ class GroupWatch:
             # This thread itself ran late (the whole group paused, or the host was starved):
             # the peers had no chance to beat either. Restart every peer's clock, judge nobody.
             stalled = now - last_round > self.interval_s + self.silence_s / 2
+            self.stalled_rounds += stalled
+            self.longest_round_s = max(self.longest_round_s, now - last_round)
             last_round = now
             try:
                 self._beat()

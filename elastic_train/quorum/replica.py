@@ -519,6 +519,8 @@ class Replica:
             log.info(
                 "group_watch_stopped",
                 longest_silence_s=round(self._watch.longest_silence_s, 3),
+                longest_round_s=round(self._watch.longest_round_s, 3),
+                stalled_rounds=self._watch.stalled_rounds,
                 bound_s=self._watch.silence_s,
             )
         self.manager.shutdown(wait=False)

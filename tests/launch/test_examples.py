@@ -47,9 +47,10 @@ def test_the_custom_loop_survives_a_killed_worker_and_ends_bit_for_bit_equal(tmp
     # Saves are asynchronous: step 8's commits only once every shard is written, which on a busy
     # machine can be after step 11's kill. The resume must be from the newest commit of the
     # first attempt (whose workers are all gone before the agent's second round forms).
-    first_attempt = killed.stderr.split("round_agreed                   generation=2")[0]
-    committed = [int(s) for s in re.findall(r"checkpoint_committed .* step=(\d+)", first_attempt)]
-    assert committed and committed[-1] in (4, 8), killed.stderr[-3000:]
+    rounds = re.split(r"round_agreed\s+generation=2\b", killed.stderr)
+    assert len(rounds) == 2, f"no second rendezvous round after the kill:\n{killed.stderr[-3000:]}"
+    committed = [int(s) for s in re.findall(r"checkpoint_committed .* step=(\d+)", rounds[0])]
+    assert committed and committed[-1] in (4, 8), f"first attempt committed {committed}:\n{rounds[0][-3000:]}"
     assert f"resumed from {tmp_path / 'b' / step_dir_name(committed[-1])} at step {committed[-1]}\n" in killed.stdout
     assert killed.stdout.count("done") == 1 and not killed.leftovers
     assert state_hash(tmp_path / "b") == state_hash(tmp_path / "a")
