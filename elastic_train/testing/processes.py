@@ -16,6 +16,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,10 @@ _NOT_INHERITED = ("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "ELASTI
 # Ports the jobs use by default: a test never picks them.
 _DEFAULT_PORTS = frozenset({2379, 2380, 6817, 6818, 29400, 29500, 29510})
 _LOWEST_PORT = 20000
+# Every port free_port() returned in this process (a test session hands out a few thousand of
+# the ~12,000 below the ephemeral range): never handed out twice.
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -56,7 +61,10 @@ def free_port() -> int:
     an etcd member's "bind: address already in use" with the other test lane busy). Below that
     range only an explicit bind takes a port. Drawn with the OS's randomness, not from
     ``random``'s global state, which a test may seed (hypothesis does, inside its examples): two
-    test lanes would then draw the same ports."""
+    test lanes would then draw the same ports. Nothing holds a port between this call and the
+    child's bind, so a port this process handed out before is never drawn again: several drawn
+    in a row for one launch (an etcd cluster's six) were once the same (measured in CI: two
+    members of one cluster given 21668)."""
     low, _ = _ephemeral_range()
     draw = secrets.SystemRandom()
     if low - _LOWEST_PORT < 1000:  # an unusual kernel setting: fall back to the kernel's choice
@@ -65,14 +73,20 @@ def free_port() -> int:
             return int(s.getsockname()[1])
     for _ in range(100):
         port = draw.randrange(_LOWEST_PORT, low)
-        if port in _DEFAULT_PORTS:
+        if port in _DEFAULT_PORTS or port in _handed_out:
             continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        with _handed_out_lock:
+            if port in _handed_out:  # another thread of this process drew it meanwhile
+                continue
+            if len(_handed_out) > (low - _LOWEST_PORT) // 2:  # a long-lived caller: forget the old ones
+                _handed_out.clear()
+            _handed_out.add(port)
+        return port
     raise RuntimeError(f"no free TCP port found between {_LOWEST_PORT} and {low} in 100 draws")
 
 

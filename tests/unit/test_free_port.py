@@ -24,6 +24,7 @@ def test_a_port_held_by_a_listener_is_never_given(monkeypatch: pytest.MonkeyPatc
     taken = free_port()
     with socket.create_server(("127.0.0.1", taken)):
         other = free_port()  # not ``taken``: that one is held now
+        monkeypatch.setattr(processes, "_handed_out", set())  # only the listener keeps ``taken`` out
         draws = iter([taken, taken, other])
 
         class Draw:
@@ -33,6 +34,23 @@ def test_a_port_held_by_a_listener_is_never_given(monkeypatch: pytest.MonkeyPatc
 
         monkeypatch.setattr(processes.secrets, "SystemRandom", Draw)
         assert free_port() == other
+
+
+def test_a_port_handed_out_before_is_never_given_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing holds a port between the draw and the child's bind: an etcd cluster's six ports,
+    drawn in a row, once held one twice (two members failed to bind it)."""
+    first, second = free_port(), free_port()
+    monkeypatch.setattr(processes, "_handed_out", set())
+    draws = iter([first, first, second])
+
+    class Draw:
+        @staticmethod
+        def randrange(*_: int) -> int:
+            return next(draws)
+
+    monkeypatch.setattr(processes.secrets, "SystemRandom", Draw)
+    assert free_port() == first
+    assert free_port() == second  # ``first`` came again and bound fine, but it was handed out
 
 
 def test_the_draw_does_not_follow_the_seeded_global_random(monkeypatch: pytest.MonkeyPatch) -> None:
