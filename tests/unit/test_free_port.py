@@ -20,19 +20,24 @@ def test_a_free_port_lies_below_the_range_outgoing_connections_draw_from_and_can
             s.bind(("127.0.0.1", port))
 
 
+def draw_in_turn(monkeypatch: pytest.MonkeyPatch, ports: list[int]) -> None:
+    """free_port's random draws return ``ports``, in turn."""
+    draws = iter(ports)
+
+    class Draw:
+        @staticmethod
+        def randrange(*_: int) -> int:
+            return next(draws)
+
+    monkeypatch.setattr(processes.secrets, "SystemRandom", Draw)
+
+
 def test_a_port_held_by_a_listener_is_never_given(monkeypatch: pytest.MonkeyPatch) -> None:
     taken = free_port()
     with socket.create_server(("127.0.0.1", taken)):
         other = free_port()  # not ``taken``: that one is held now
         monkeypatch.setattr(processes, "_handed_out", set())  # only the listener keeps ``taken`` out
-        draws = iter([taken, taken, other])
-
-        class Draw:
-            @staticmethod
-            def randrange(*_: int) -> int:
-                return next(draws)
-
-        monkeypatch.setattr(processes.secrets, "SystemRandom", Draw)
+        draw_in_turn(monkeypatch, [taken, taken, other])
         assert free_port() == other
 
 
@@ -41,14 +46,7 @@ def test_a_port_handed_out_before_is_never_given_again(monkeypatch: pytest.Monke
     drawn in a row, once held one twice (two members failed to bind it)."""
     first, second = free_port(), free_port()
     monkeypatch.setattr(processes, "_handed_out", set())
-    draws = iter([first, first, second])
-
-    class Draw:
-        @staticmethod
-        def randrange(*_: int) -> int:
-            return next(draws)
-
-    monkeypatch.setattr(processes.secrets, "SystemRandom", Draw)
+    draw_in_turn(monkeypatch, [first, first, second])
     assert free_port() == first
     assert free_port() == second  # ``first`` came again and bound fine, but it was handed out
 
