@@ -318,7 +318,7 @@ class LineLedger:
         import etcd
 
         try:
-            found = self._members.call(lambda c: c.read(self.key, quorum=True))
+            found = self._members.hedged(lambda c: c.read(self.key, quorum=True))
         except etcd.EtcdKeyNotFound:
             return None, None
         return LineRecord.decode(found.value), int(found.modifiedIndex)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import sys
 import threading
 import time
@@ -107,6 +108,14 @@ def unreachable() -> tuple[type[BaseException], ...]:
     return (etcd.EtcdConnectionFailed, urllib3.exceptions.HTTPError, OSError)
 
 
+def answered() -> tuple[type[BaseException], ...]:
+    """etcd's answers about the key itself (no such key, already there, compare failed): every
+    member gives the same one, unlike a member that is out of reach or has no leader yet."""
+    import etcd
+
+    return (etcd.EtcdKeyError, etcd.EtcdValueError)
+
+
 def _errors() -> tuple[type[BaseException], ...]:
     """Anything an etcd request may raise besides the answers handled where it is made."""
     import etcd
@@ -117,7 +126,7 @@ def _errors() -> tuple[type[BaseException], ...]:
 
 class Members:
     """One python-etcd client per member, used in turn: a request that finds its member
-    unreachable is sent to the next at once.
+    unreachable is sent to the next at once (``call``), or sent to all at once (``hedged``).
 
     Not python-etcd's own failover: with several hosts it contacts the cluster when it is
     built (an agent started before etcd would crash), its member list empties when every member
@@ -136,9 +145,11 @@ class Members:
         for endpoint in endpoints:
             host, port = split_endpoint(endpoint, "--lighthouse-etcd endpoint")
             client = etcd.Client(host=host, port=port, read_timeout=read_timeout_s, allow_reconnect=False)
-            client.http = urllib3.PoolManager(num_pools=2, maxsize=2, retries=False, timeout=read_timeout_s)
+            # maxsize 4: hedged rounds overlap a frozen member's requests still waiting out their timeout.
+            client.http = urllib3.PoolManager(num_pools=2, maxsize=4, retries=False, timeout=read_timeout_s)
             self.clients.append(client)
         self.current = 0
+        self.read_timeout_s = read_timeout_s
 
     def call(self, request: Callable[[Any], Any]) -> Any:
         """``request(client)`` on the current member, else on each next one; the last member's
@@ -150,6 +161,44 @@ class Members:
             except unreachable() as exc:
                 last = exc
                 self.current = (self.current + 1) % len(self.clients)
+        assert last is not None
+        raise last
+
+    def hedged(self, request: Callable[[Any], Any]) -> Any:
+        """``request(client)`` on every member at once; the first answer wins (a result, or
+        etcd's answer about the key, ``answered()``), and the last member's error when none
+        answers (out of reach, or no leader to take the request).
+        Only for requests that may be applied more than once: a refresh that compares the
+        value, a quorum read.
+
+        Why not in turn: while the leader is frozen, every write and quorum read waits out the
+        read timeout on each member until the others have elected a new one. In turn, a round
+        on three members costs three timeouts, so a holder's fence (``ttl_s - margin_s``) held
+        one round: an election that outlasted it under load cost the seat (seen in CI). At
+        once, a round costs one timeout and the next starts right after it."""
+        answers: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+        def ask(client: Any) -> None:
+            try:
+                answers.put((True, request(client)))
+            except BaseException as exc:  # handed to the caller, which raises or moves on
+                answers.put((False, exc))
+
+        for client in self.clients:
+            threading.Thread(target=ask, args=(client,), name="etcd-hedged", daemon=True).start()
+        last: BaseException | None = None
+        backstop = 3 * self.read_timeout_s + 1.0  # each request ends within its connect and read timeouts
+        for _ in self.clients:
+            try:
+                ok, answer = answers.get(timeout=backstop)
+            except queue.Empty:
+                last = TimeoutError(f"no etcd member answered in {backstop:g} s")
+                break
+            if ok:
+                return answer
+            if isinstance(answer, answered()) or not isinstance(answer, _errors()):
+                raise answer
+            last = answer
         assert last is not None
         raise last
 
@@ -177,6 +226,9 @@ class Seat:
         # Bumped when the seat is given up: a reply to a request sent before must not extend it.
         self._generation = 0
         self.taken_at: float | None = None  # when the last create that won was sent
+        # The least lease left when a refresh that went through was sent: how near the fence
+        # the holder came (an etcd election it rode out shows here).
+        self.least_left_s = float(config.ttl_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lighthouse-seat", daemon=True)
 
@@ -257,6 +309,8 @@ class Seat:
         with self._lock:
             if not self._candidate or generation != self._generation:
                 return False
+            if term is None:
+                self.least_left_s = min(self.least_left_s, self._mine_until - sent)
             self._mine_until = sent + self.config.ttl_s - self.config.margin_s
             if term is not None:
                 self._term = term
@@ -270,21 +324,10 @@ class Seat:
         key, ttl = self.config.key, self.config.ttl_s
         with self._lock:
             generation, candidate, retake_after = self._generation, self._candidate, self._retake_after
-        sent = now()
         if self.mine():
-            try:
-                self._members.call(lambda c: c.refresh(key, ttl=ttl, prevValue=self.value))
-            except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
-                with self._lock:  # expired, or taken by another: the agent kills the Lighthouse
-                    self._mine_until = 0.0
-                self._say("lost the Lighthouse seat (the lease expired before a refresh reached etcd)")
-                return
-            except _errors() as exc:
-                self._report(exc)
-                return
-            if not self._hold(sent, generation):
-                self._delete_own()
+            self._refresh(generation)
             return
+        sent = now()
         if not candidate or sent < retake_after:
             self._read(sent, generation)
             return
@@ -301,12 +344,39 @@ class Seat:
             return
         self._say(f"took the Lighthouse seat (term {made.createdIndex})")
 
+    def _refresh(self, generation: int) -> None:
+        """Extend the held lease. A round that no member answered is tried again at once, not
+        at the next tick, for as long as the lease runs: an etcd election (its leader lost)
+        answers nothing until it ends, and every try before the fence is a chance to keep the
+        seat."""
+        import etcd
+
+        key, ttl = self.config.key, self.config.ttl_s
+        while not self._stop.is_set():
+            sent = now()
+            if sent >= self.lease_end():
+                return  # the fence has passed: the agent kills the Lighthouse; the next tick may take the seat
+            try:
+                self._members.hedged(lambda c: c.refresh(key, ttl=ttl, prevValue=self.value))
+            except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
+                with self._lock:  # expired, or taken by another: the agent kills the Lighthouse
+                    self._mine_until = 0.0
+                self._say("lost the Lighthouse seat (the lease expired before a refresh reached etcd)")
+                return
+            except _errors() as exc:  # out of reach, or no leader yet: the refresh may be sent again
+                self._report(exc)
+                self._stop.wait(0.05)  # members that refuse at once must not spin the thread
+                continue
+            if not self._hold(sent, generation):
+                self._delete_own()
+            return
+
     def _read(self, sent: float, generation: int) -> None:
         import etcd
 
         try:
             # A quorum read: a member cut off from the others would answer with what it last knew.
-            found = self._members.call(lambda c: c.read(self.config.key, quorum=True))
+            found = self._members.hedged(lambda c: c.read(self.config.key, quorum=True))
         except etcd.EtcdKeyNotFound:
             return  # it expired between the create and the read: the next round creates it
         except _errors() as exc:

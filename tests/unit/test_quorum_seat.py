@@ -196,6 +196,7 @@ def fake_members(*clients: FakeClient) -> Members:
     members = Members.__new__(Members)
     members.clients = list(clients)
     members.current = 0
+    members.read_timeout_s = 1.0
     return members
 
 
@@ -211,6 +212,73 @@ def test_members_move_on_from_a_member_that_is_down_and_come_back_to_it() -> Non
         members.call(FakeClient.name_of)
     a.down = b.down = False
     assert members.call(FakeClient.name_of) in ("a", "b")
+
+
+def test_a_hedged_request_takes_the_first_answer_and_fails_only_when_no_member_answers() -> None:
+    import etcd
+
+    a, b, c = FakeClient("a"), FakeClient("b"), FakeClient("c")
+    members = fake_members(a, b, c)
+    a.hold_refresh = True  # a frozen member: it holds the request until its read timeout
+    began = time.monotonic()
+    assert members.hedged(lambda client: (client.refresh("k", 3, "v"), client.name)[1]) in ("b", "c")
+    assert time.monotonic() - began < 1.0, "the answer waited for the frozen member"
+    a.release_refresh.set()
+    b.down = c.down = True
+    a.hold_refresh = False
+    assert members.hedged(FakeClient.name_of) == "a"  # one member is enough
+    a.down = True
+    with pytest.raises(etcd.EtcdConnectionFailed, match="is down"):
+        members.hedged(FakeClient.name_of)
+    a.down = False
+
+    def without_a_leader(client: FakeClient) -> str:  # etcd's reply while its members elect one
+        if client.name != "c":
+            raise etcd.EtcdLeaderElectionInProgress("no leader")
+        time.sleep(0.05)
+        return client.name
+
+    assert members.hedged(without_a_leader) == "c", "a member without a leader was taken for an answer"
+    c.name = "also without"
+    with pytest.raises(etcd.EtcdLeaderElectionInProgress):
+        members.hedged(without_a_leader)
+    a.down = b.down = c.down = False
+    with pytest.raises(etcd.EtcdKeyNotFound):  # etcd's own answer is raised, not tried elsewhere
+        members.hedged(lambda client: client.read("k", quorum=True))
+
+
+def test_a_refresh_that_no_member_answers_is_tried_again_at_once_while_the_lease_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An etcd election answers nothing until it ends: each try before the fence may keep the seat."""
+    import etcd
+
+    clock = [100.0]
+    monkeypatch.setattr("elastic_train.quorum.seat.now", lambda: clock[0])
+    a, b = FakeClient("a"), FakeClient("b")
+    seat = Seat(SeatConfig(("a:1", "b:1"), "job", "http://h:1", ttl_s=5), fake_members(a, b))
+    seat.tick()
+    assert seat.mine() and seat.lease_end() == 104.0  # ttl 5 - margin 1 after the create was sent
+    b.down = True  # the frozen member; ``a`` has no leader until its fourth try
+    failing = [3]
+
+    def refresh(key: str, ttl: int, prevValue: str) -> Any:
+        clock[0] += 1.0  # each try waits out a read timeout
+        if failing[0] > 0:
+            failing[0] -= 1
+            raise etcd.EtcdConnectionFailed("no leader")
+        return SimpleNamespace()
+
+    monkeypatch.setattr(a, "refresh", refresh)
+    clock[0] = 100.5
+    seat.tick()  # one tick: tries sent at 100.5, 101.5, 102.5 fail; the one sent at 103.5 holds
+    assert seat.mine(), "the holder gave up its refresh after one round"
+    assert seat.lease_end() == 107.5
+    # Tries that would be sent past the fence are not sent: the seat is gone, and its Lighthouse.
+    failing[0] = 100
+    clock[0] = 106.0
+    seat.tick()  # sent at 106.0 and 107.0 fail; at 108.0 the fence has passed
+    assert not seat.mine() and clock[0] == 108.0
 
 
 def test_a_refresh_in_flight_does_not_give_back_a_seat_given_up_meanwhile() -> None:
