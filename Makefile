@@ -24,8 +24,8 @@ demo: $(STAMP)
 ## The whole test suite, every layer folder (tests/unit, process, launch, slurm, netns; README "Development").
 ## Three test files at a time (-n 3 --dist loadfile): many tests wait on timers (hang timeouts,
 ## Slurm requeues, rendezvous), so a third lane fills the 2 cores where two left them idle a
-## tenth of the time (Dec 7, fresh clones of one tree: 39.4 min with two lanes, 34.6 with three,
-## both cores 95% busy then). A file's tests stay together on one worker (module fixtures, the
+## tenth of the time (Dec 7, fresh clones a commit apart: 39.4 min with two lanes, 34.6 with
+## three, both cores 95% busy then). A file's tests stay together on one worker (module fixtures, the
 ## one local Slurm node, network namespaces).
 test: $(STAMP) lint
 	$(PY) -m pytest -n 3 --dist loadfile --durations=30 $(PYTEST_ARGS)
