@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import sys
 import threading
@@ -65,6 +66,9 @@ class SeatConfig:
     refresh_s: float = 0.5  # how often the holder refreshes and the others read
     margin_s: float = 1.0  # the holder's Lighthouse stops this long before its lease could end
     read_timeout_s: float = 1.0  # an etcd request to a member that does not answer
+    # While no member answers a refresh, it is sent again this often, the earlier sends still
+    # waiting: the first send after an etcd election ends goes through (``Members.keep_sending``).
+    resend_s: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -79,6 +83,8 @@ class SeatConfig:
             )
         if not 0 < self.margin_s < self.ttl_s:
             raise ValueError(f"margin_s must be inside (0, ttl_s={self.ttl_s}), got {self.margin_s}")
+        if self.resend_s <= 0:
+            raise ValueError(f"resend_s must be > 0, got {self.resend_s}")
         # A refresh that waits out a silent member must still end before the holder's own fence.
         if not 0 < self.refresh_s + self.read_timeout_s <= self.ttl_s - self.margin_s:
             raise ValueError(
@@ -145,8 +151,8 @@ class Members:
         for endpoint in endpoints:
             host, port = split_endpoint(endpoint, "--lighthouse-etcd endpoint")
             client = etcd.Client(host=host, port=port, read_timeout=read_timeout_s, allow_reconnect=False)
-            # maxsize 4: hedged rounds overlap a frozen member's requests still waiting out their timeout.
-            client.http = urllib3.PoolManager(num_pools=2, maxsize=4, retries=False, timeout=read_timeout_s)
+            # maxsize 8: resent refreshes overlap a frozen member's requests still waiting out their timeout.
+            client.http = urllib3.PoolManager(num_pools=2, maxsize=8, retries=False, timeout=read_timeout_s)
             self.clients.append(client)
         self.current = 0
         self.read_timeout_s = read_timeout_s
@@ -163,6 +169,11 @@ class Members:
                 self.current = (self.current + 1) % len(self.clients)
         assert last is not None
         raise last
+
+    def round_s(self) -> float:
+        """The longest a request waits: its connect and its read timeouts (urllib3 counts them
+        apart), plus a second for the threads to run on a loaded host."""
+        return 2 * self.read_timeout_s + 1.0
 
     def hedged(self, request: Callable[[Any], Any]) -> Any:
         """``request(client)`` on every member at once; the first answer wins (a result, or
@@ -187,12 +198,12 @@ class Members:
         for client in self.clients:
             threading.Thread(target=ask, args=(client,), name="etcd-hedged", daemon=True).start()
         last: BaseException | None = None
-        backstop = 3 * self.read_timeout_s + 1.0  # each request ends within its connect and read timeouts
+        deadline = time.monotonic() + self.round_s()
         for _ in self.clients:
             try:
-                ok, answer = answers.get(timeout=backstop)
+                ok, answer = answers.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                last = TimeoutError(f"no etcd member answered in {backstop:g} s")
+                last = TimeoutError(f"no etcd member answered in {self.round_s():g} s")
                 break
             if ok:
                 return answer
@@ -201,6 +212,46 @@ class Members:
             last = answer
         assert last is not None
         raise last
+
+    def keep_sending(
+        self, request: Callable[[Any], Any], clock: Callable[[], float], give_up: Callable[[], bool], every_s: float
+    ) -> tuple[float, Any]:
+        """``request(client)`` on every member at once, and again every ``every_s`` while none
+        has answered, the earlier sends still waiting, until ``give_up()``. Returns when the
+        send that was answered left (``clock()``) and its result; raises etcd's answer about
+        the key at once, and the last error when nothing was answered before ``give_up()``.
+        Only for a request that may be applied any number of times: the seat's refresh.
+
+        Why not one round after another (``hedged`` again): a request sent during an etcd
+        election is not answered when the election ends, it waits out its read timeout, so
+        rounds reach a new leader only once a second. Sent every ``every_s``, the first send
+        after the election goes through within ``every_s`` of its end."""
+        answers: queue.SimpleQueue[tuple[float, bool, Any]] = queue.SimpleQueue()
+
+        def ask(client: Any, sent: float) -> None:
+            try:
+                answers.put((sent, True, request(client)))
+            except BaseException as exc:  # handed to the caller, which raises or waits on
+                answers.put((sent, False, exc))
+
+        last: BaseException | None = None
+        next_send = clock()
+        while not give_up():
+            sent = clock()
+            if sent >= next_send:
+                for client in self.clients:
+                    threading.Thread(target=ask, args=(client, sent), name="etcd-resend", daemon=True).start()
+                next_send = sent + every_s
+            try:
+                when, ok, answer = answers.get(timeout=max(0.0, next_send - clock()))
+            except queue.Empty:
+                continue
+            if ok:
+                return when, answer
+            if isinstance(answer, answered()) or not isinstance(answer, _errors()):
+                raise answer
+            last = answer
+        raise last if last is not None else TimeoutError("no etcd member answered before the lease ran out")
 
 
 class Seat:
@@ -226,9 +277,9 @@ class Seat:
         # Bumped when the seat is given up: a reply to a request sent before must not extend it.
         self._generation = 0
         self.taken_at: float | None = None  # when the last create that won was sent
-        # The least lease left when a refresh that went through was sent: how near the fence
-        # the holder came (an etcd election it rode out shows here).
-        self.least_left_s = float(config.ttl_s)
+        # The least lease left when the reply to a refresh came back: how near the fence the
+        # holder came (an etcd election it rode out shows here); inf before the first refresh.
+        self.least_left_s = math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lighthouse-seat", daemon=True)
 
@@ -293,14 +344,21 @@ class Seat:
         holder need not wait for the TTL (a clean end; a crash releases nothing)."""
         self._stop.set()
         if self._thread.is_alive():
-            tries = len(self.config.endpoints) * 3  # a tick's requests, each to every member at worst
-            self._thread.join(timeout=tries * self.config.read_timeout_s + self.config.refresh_s)
+            # A tick's longest path: a quorum read's hedged round (a refresh sees the stop within
+            # ``resend_s``), then a delete sent to each member in turn, each within its connect
+            # and read timeouts.
+            per_request = 2 * self.config.read_timeout_s
+            longest = per_request + 1.0 + len(self.config.endpoints) * per_request
+            self._thread.join(timeout=longest + self.config.refresh_s)
         if release:
             self.abdicate()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.tick()
+            try:
+                self.tick()
+            except Exception as exc:  # a thread that died here would leave the seat to expire unseen
+                self._say(f"the Lighthouse seat's round failed: {type(exc).__name__}: {exc}; trying again")
             self._stop.wait(self.config.refresh_s)
 
     def _hold(self, sent: float, generation: int, term: int | None = None) -> bool:
@@ -309,8 +367,13 @@ class Seat:
         with self._lock:
             if not self._candidate or generation != self._generation:
                 return False
-            if term is None:
-                self.least_left_s = min(self.least_left_s, self._mine_until - sent)
+            if term is None:  # a refresh
+                left = self._mine_until - now()
+                if left <= 0:
+                    # Its reply came after the fence: the agent has killed (or is killing) the
+                    # Lighthouse, so the seat is not taken back; the caller deletes the key.
+                    return False
+                self.least_left_s = min(self.least_left_s, left)
             self._mine_until = sent + self.config.ttl_s - self.config.margin_s
             if term is not None:
                 self._term = term
@@ -345,31 +408,30 @@ class Seat:
         self._say(f"took the Lighthouse seat (term {made.createdIndex})")
 
     def _refresh(self, generation: int) -> None:
-        """Extend the held lease. A round that no member answered is tried again at once, not
-        at the next tick, for as long as the lease runs: an etcd election (its leader lost)
-        answers nothing until it ends, and every try before the fence is a chance to keep the
-        seat."""
+        """Extend the held lease: sent to every member, and sent again while none answers, for
+        as long as the lease runs, not only at the next tick. While etcd elects a new leader
+        (its leader lost or frozen) no member answers, and each send before the fence is a
+        chance to keep the seat. When the fence has passed, the agent kills the Lighthouse."""
         import etcd
 
         key, ttl = self.config.key, self.config.ttl_s
-        while not self._stop.is_set():
-            sent = now()
-            if sent >= self.lease_end():
-                return  # the fence has passed: the agent kills the Lighthouse; the next tick may take the seat
-            try:
-                self._members.hedged(lambda c: c.refresh(key, ttl=ttl, prevValue=self.value))
-            except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
-                with self._lock:  # expired, or taken by another: the agent kills the Lighthouse
-                    self._mine_until = 0.0
-                self._say("lost the Lighthouse seat (the lease expired before a refresh reached etcd)")
-                return
-            except _errors() as exc:  # out of reach, or no leader yet: the refresh may be sent again
-                self._report(exc)
-                self._stop.wait(0.05)  # members that refuse at once must not spin the thread
-                continue
-            if not self._hold(sent, generation):
-                self._delete_own()
+        try:
+            sent, _ = self._members.keep_sending(
+                lambda c: c.refresh(key, ttl=ttl, prevValue=self.value),
+                clock=now,
+                give_up=lambda: self._stop.is_set() or now() >= self.lease_end(),
+                every_s=self.config.resend_s,
+            )
+        except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
+            with self._lock:  # expired, or taken by another: the agent kills the Lighthouse
+                self._mine_until = 0.0
+            self._say("lost the Lighthouse seat (the lease expired before a refresh reached etcd)")
             return
+        except _errors() as exc:  # nothing answered before the fence: the next tick may take the seat again
+            self._report(exc)
+            return
+        if not self._hold(sent, generation):
+            self._delete_own()
 
     def _read(self, sent: float, generation: int) -> None:
         import etcd

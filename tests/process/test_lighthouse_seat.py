@@ -119,9 +119,10 @@ def test_an_agent_that_abdicates_leaves_the_seat_for_good(members: list[EtcdMemb
     ("fault", "which"), [("kill", "first"), ("freeze", "first"), ("kill", "leader"), ("freeze", "leader")]
 )
 def test_the_seat_survives_the_loss_of_one_etcd_member(members: list[EtcdMember], fault: str, which: str) -> None:
-    # Every agent lists member 0 first and talks to it until it fails. Frozen, it answers
-    # nothing and closes nothing: each request to it waits out the read timeout. The leader's
-    # loss also stops every write and quorum read until the others elect a new one.
+    # Every agent lists member 0 first: its creates and deletes go there until it fails (its
+    # refreshes and reads go to every member). Frozen, it answers nothing and closes nothing:
+    # each request to it waits out the read timeout. The leader's loss also stops every write
+    # and quorum read until the others elect a new one, which the holder must ride out.
     with seats(members, "1001", "1002", ttl=DEFAULT_TTL) as (a, b):
         until("a holder", lambda: a.holder() is not None and b.holder() is not None)
         holder = a.holder()

@@ -242,43 +242,120 @@ def test_a_hedged_request_takes_the_first_answer_and_fails_only_when_no_member_a
     c.name = "also without"
     with pytest.raises(etcd.EtcdLeaderElectionInProgress):
         members.hedged(without_a_leader)
-    a.down = b.down = c.down = False
-    with pytest.raises(etcd.EtcdKeyNotFound):  # etcd's own answer is raised, not tried elsewhere
-        members.hedged(lambda client: client.read("k", quorum=True))
+    release = threading.Event()
+
+    def one_answers(client: FakeClient) -> Any:  # the others are frozen
+        if client is not a:
+            release.wait(5)
+        return client.read("k", quorum=True)
+
+    began = time.monotonic()
+    with pytest.raises(etcd.EtcdKeyNotFound):  # etcd's answer about the key: raised, not waited on
+        members.hedged(one_answers)
+    release.set()
+    assert time.monotonic() - began < 1.0, "etcd's answer about the key waited for the frozen members"
 
 
-def test_a_refresh_that_no_member_answers_is_tried_again_at_once_while_the_lease_runs(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """An etcd election answers nothing until it ends: each try before the fence may keep the seat."""
+def test_a_refresh_sent_again_while_none_is_answered_goes_through_soon_after_an_election_ends() -> None:
+    """A send made during the election waits out its read timeout (``held`` here); one sent
+    every ``every_s`` reaches the new leader within ``every_s`` of the election's end."""
     import etcd
 
+    held = 2.0  # generous: the bound below must hold on a loaded 2-core host too
+
+    elected = threading.Event()
+    frozen = threading.Event()  # never set: the old leader
+
+    def refresh(client: FakeClient) -> str:
+        if client.name == "leader":
+            frozen.wait(2)
+            raise etcd.EtcdConnectionFailed("read timed out")
+        if not elected.is_set():  # no leader: the request is held until the client gives up
+            time.sleep(held)
+            raise etcd.EtcdConnectionFailed("read timed out")
+        return client.name
+
+    members = fake_members(FakeClient("leader"), FakeClient("b"), FakeClient("c"))
+    began = time.monotonic()
+    threading.Timer(0.2, elected.set).start()
+    sent, answer = members.keep_sending(refresh, time.monotonic, lambda: time.monotonic() > began + 5, every_s=0.05)
+    took = time.monotonic() - began
+    assert answer in ("b", "c") and sent >= began + 0.2, "an answer to a send made before the election ended"
+    assert took < held - 0.5, f"{took:.2f} s: the first send after the election waited for the earlier ones"
+    # Nothing answers before give_up: an error, the last member's when one came back by then.
+    elected.clear()
+    until = time.monotonic() + 0.3
+    with pytest.raises((etcd.EtcdConnectionFailed, TimeoutError)):
+        members.keep_sending(refresh, time.monotonic, lambda: time.monotonic() > until, every_s=0.05)
+    # etcd's answer about the key: raised at once, not waited on.
+    with pytest.raises(etcd.EtcdKeyNotFound):
+        members.keep_sending(
+            lambda client: client.read("k", quorum=True) if client.name == "b" else refresh(client),
+            time.monotonic,
+            lambda: False,
+            every_s=0.05,
+        )
+    frozen.set()
+
+
+class ScriptedSends:
+    """Members whose refreshes are answered as scripted, on the test's clock: (sent at, answered
+    at), or None for no answer before the seat gives up."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+        self.script: list[tuple[float, float] | None] = []
+        self.deletes: list[float] = []
+
+    def call(self, request: Any) -> Any:  # the create and the delete
+        return request(self)
+
+    def write(self, key: str, value: str, ttl: int, prevExist: bool) -> Any:
+        return SimpleNamespace(createdIndex=7)
+
+    def delete(self, key: str, prevValue: str) -> Any:
+        self.deletes.append(self.clock[0])
+
+    def keep_sending(self, request: Any, clock: Any, give_up: Any, every_s: float) -> tuple[float, Any]:
+        import etcd
+
+        step = self.script.pop(0)
+        if step is None:
+            while not give_up():
+                self.clock[0] += every_s
+            raise etcd.EtcdConnectionFailed("no leader")
+        self.clock[0] = step[1]
+        return step[0], SimpleNamespace()
+
+
+def test_a_refresh_holds_the_seat_from_its_answered_send_and_never_past_the_fence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     clock = [100.0]
     monkeypatch.setattr("elastic_train.quorum.seat.now", lambda: clock[0])
-    a, b = FakeClient("a"), FakeClient("b")
-    seat = Seat(SeatConfig(("a:1", "b:1"), "job", "http://h:1", ttl_s=5), fake_members(a, b))
+    members = ScriptedSends(clock)
+    seat = Seat(SeatConfig(("a:1",), "job", "http://h:1", ttl_s=5), members)
     seat.tick()
     assert seat.mine() and seat.lease_end() == 104.0  # ttl 5 - margin 1 after the create was sent
-    b.down = True  # the frozen member; ``a`` has no leader until its fourth try
-    failing = [3]
-
-    def refresh(key: str, ttl: int, prevValue: str) -> Any:
-        clock[0] += 1.0  # each try waits out a read timeout
-        if failing[0] > 0:
-            failing[0] -= 1
-            raise etcd.EtcdConnectionFailed("no leader")
-        return SimpleNamespace()
-
-    monkeypatch.setattr(a, "refresh", refresh)
+    # An election: the send that went through left at 102.5 and was answered at 103.5.
+    members.script.append((102.5, 103.5))
     clock[0] = 100.5
-    seat.tick()  # one tick: tries sent at 100.5, 101.5, 102.5 fail; the one sent at 103.5 holds
-    assert seat.mine(), "the holder gave up its refresh after one round"
-    assert seat.lease_end() == 107.5
-    # Tries that would be sent past the fence are not sent: the seat is gone, and its Lighthouse.
-    failing[0] = 100
+    seat.tick()
+    assert seat.mine() and seat.lease_end() == 106.5 and seat.least_left_s == 0.5
+    # A reply that comes back after the fence does not give the seat back: the agent has killed
+    # its Lighthouse by then. The key is deleted, for the next holder to create with a new term.
+    members.script.append((106.0, 107.0))
     clock[0] = 106.0
-    seat.tick()  # sent at 106.0 and 107.0 fail; at 108.0 the fence has passed
-    assert not seat.mine() and clock[0] == 108.0
+    seat.tick()
+    assert not seat.mine() and members.deletes == [107.0]
+    # Nothing answered: the sends stop at the fence, and the seat is gone.
+    seat = Seat(SeatConfig(("a:1",), "job", "http://h:1", ttl_s=5), members)
+    clock[0] = 200.0
+    seat.tick()
+    members.script.append(None)
+    clock[0] = 202.0
+    seat.tick()
+    assert not seat.mine() and clock[0] == 204.0
 
 
 def test_a_refresh_in_flight_does_not_give_back_a_seat_given_up_meanwhile() -> None:
