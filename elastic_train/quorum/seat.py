@@ -151,8 +151,9 @@ class Members:
         for endpoint in endpoints:
             host, port = split_endpoint(endpoint, "--lighthouse-etcd endpoint")
             client = etcd.Client(host=host, port=port, read_timeout=read_timeout_s, allow_reconnect=False)
-            # maxsize 8: resent refreshes overlap a frozen member's requests still waiting out their timeout.
-            client.http = urllib3.PoolManager(num_pools=2, maxsize=8, retries=False, timeout=read_timeout_s)
+            # maxsize 16: resent refreshes overlap a frozen member's requests still waiting out their
+            # connect and read timeouts (up to 2 s / resend_s of them).
+            client.http = urllib3.PoolManager(num_pools=2, maxsize=16, retries=False, timeout=read_timeout_s)
             self.clients.append(client)
         self.current = 0
         self.read_timeout_s = read_timeout_s
