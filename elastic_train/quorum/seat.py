@@ -13,7 +13,13 @@ connections, and torchft's Manager reconnects (its quorum retries) to the new on
 
 The fence: a holder counts its lease from the moment it SENT the request that created or
 refreshed it (the key cannot expire earlier than ``ttl_s`` after that) and stops its Lighthouse
-(SIGKILL) ``margin_s`` before that deadline unless a later refresh succeeded. etcd deletes the
+(SIGKILL) ``margin_s`` before that deadline unless a later refresh succeeded. That needs to know
+which send set the key's expiry: etcd v2 counts a TTL from when the member that received the
+request parsed it, so a copy of an older send that etcd applies late would set an earlier expiry
+than the one the holder counts from. Every refresh and delete therefore compares the key's index
+(``prevIndex``, the index the holder last saw), never its value: each applied refresh moves the
+index, so of all the copies sent with one index at most one is applied, and the copies of older
+sends fail their compare. etcd deletes the
 key only once the TTL has run out, so the old holder's Lighthouse is dead before anyone can
 create the key again: two Lighthouses never serve at once, a frozen holder included (when it
 thaws, the agent's first look at the clock kills its Lighthouse). Clocks are ``CLOCK_BOOTTIME``
@@ -130,6 +136,12 @@ def _errors() -> tuple[type[BaseException], ...]:
     return (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)
 
 
+def final(error: BaseException) -> bool:
+    """An error that ends a request sent to several members: etcd's answer about the key (every
+    member gives the same), or one that is not etcd's at all (a bug: waiting would hide it)."""
+    return isinstance(error, answered()) or not isinstance(error, _errors())
+
+
 class Members:
     """One python-etcd client per member, used in turn: a request that finds its member
     unreachable is sent to the next at once (``call``), or sent to all at once (``hedged``).
@@ -180,39 +192,46 @@ class Members:
         """``request(client)`` on every member at once; the first answer wins (a result, or
         etcd's answer about the key, ``answered()``), and the last member's error when none
         answers (out of reach, or no leader to take the request).
-        Only for requests that may be applied more than once: a refresh that compares the
-        value, a quorum read.
+        Only for requests that may be applied more than once, or of which etcd applies at most
+        one copy: a quorum read, a refresh that compares the key's index.
 
         Why not in turn: while the leader is frozen, every write and quorum read waits out the
         read timeout on each member until the others have elected a new one. In turn, a round
         on three members costs three timeouts, so a holder's fence (``ttl_s - margin_s``) held
         one round: an election that outlasted it under load cost the seat (seen in CI). At
         once, a round costs one timeout and the next starts right after it."""
-        answers: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-
-        def ask(client: Any) -> None:
-            try:
-                answers.put((True, request(client)))
-            except BaseException as exc:  # handed to the caller, which raises or moves on
-                answers.put((False, exc))
-
-        for client in self.clients:
-            threading.Thread(target=ask, args=(client,), name="etcd-hedged", daemon=True).start()
+        answers: queue.SimpleQueue[tuple[float, bool, Any]] = queue.SimpleQueue()
+        self._send_to_all(request, answers, 0.0)
         last: BaseException | None = None
         deadline = time.monotonic() + self.round_s()
         for _ in self.clients:
             try:
-                ok, answer = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+                _, ok, answer = answers.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 last = TimeoutError(f"no etcd member answered in {self.round_s():g} s")
                 break
             if ok:
                 return answer
-            if isinstance(answer, answered()) or not isinstance(answer, _errors()):
+            if final(answer):
                 raise answer
             last = answer
         assert last is not None
         raise last
+
+    def _send_to_all(
+        self, request: Callable[[Any], Any], answers: queue.SimpleQueue[tuple[float, bool, Any]], sent: float
+    ) -> None:
+        """``request(client)`` on every member, each in a thread of its own; every outcome goes
+        to ``answers`` as (``sent``, answered, result or error), for the caller to weigh."""
+
+        def ask(client: Any) -> None:
+            try:
+                answers.put((sent, True, request(client)))
+            except BaseException as exc:  # handed to the caller, which raises or waits on
+                answers.put((sent, False, exc))
+
+        for client in self.clients:
+            threading.Thread(target=ask, args=(client,), name="etcd-request", daemon=True).start()
 
     def keep_sending(
         self, request: Callable[[Any], Any], clock: Callable[[], float], give_up: Callable[[], bool], every_s: float
@@ -221,27 +240,20 @@ class Members:
         has answered, the earlier sends still waiting, until ``give_up()``. Returns when the
         send that was answered left (``clock()``) and its result; raises etcd's answer about
         the key at once, and the last error when nothing was answered before ``give_up()``.
-        Only for a request that may be applied any number of times: the seat's refresh.
+        Only for a request of which etcd applies at most one copy: the seat's refresh, which
+        compares the key's index.
 
         Why not one round after another (``hedged`` again): a request sent during an etcd
         election is not answered when the election ends, it waits out its read timeout, so
         rounds reach a new leader only once a second. Sent every ``every_s``, the first send
         after the election goes through within ``every_s`` of its end."""
         answers: queue.SimpleQueue[tuple[float, bool, Any]] = queue.SimpleQueue()
-
-        def ask(client: Any, sent: float) -> None:
-            try:
-                answers.put((sent, True, request(client)))
-            except BaseException as exc:  # handed to the caller, which raises or waits on
-                answers.put((sent, False, exc))
-
         last: BaseException | None = None
         next_send = clock()
         while not give_up():
             sent = clock()
             if sent >= next_send:
-                for client in self.clients:
-                    threading.Thread(target=ask, args=(client, sent), name="etcd-resend", daemon=True).start()
+                self._send_to_all(request, answers, sent)
                 next_send = sent + every_s
             try:
                 when, ok, answer = answers.get(timeout=max(0.0, next_send - clock()))
@@ -249,7 +261,7 @@ class Members:
                 continue
             if ok:
                 return when, answer
-            if isinstance(answer, answered()) or not isinstance(answer, _errors()):
+            if final(answer):
                 raise answer
             last = answer
         raise last if last is not None else TimeoutError("no etcd member answered before the lease ran out")
@@ -268,6 +280,10 @@ class Seat:
         self._lock = threading.Lock()
         self._mine_until = 0.0  # while now() is below it, this agent's Lighthouse may serve
         self._term = 0  # the term this agent holds (when it does)
+        self._index = 0  # the key's modifiedIndex as this agent last saw it (its create or refresh)
+        # When the first refresh comparing ``_index`` was sent (None: none yet). If one of those
+        # was applied without its reply reaching this agent, the lease counts from here.
+        self._index_first_sent: float | None = None
         self._holder: Holder | None = None
         self._holder_until = 0.0  # while now() is below it, ``_holder`` is known to hold the key
         self._quiet_until = 0.0  # the last etcd error was reported; the next is not before this
@@ -313,11 +329,11 @@ class Seat:
         under the old term."""
         with self._lock:
             self._generation += 1
-            held, self._mine_until = now() < self._mine_until, 0.0
+            held, self._mine_until, index = now() < self._mine_until, 0.0, self._index
         if held:
-            self._delete_own()
+            self._delete_own(index)
 
-    def _delete_own(self) -> None:
+    def _delete_own(self, index: int) -> None:
         """Delete this agent's key while etcd still counts it as live, and stand back. The other
         agents may have read the key just before: each relays to this agent's address under the
         old term until its read's lease runs out, up to ``ttl_s`` later. A new Lighthouse of this
@@ -325,10 +341,14 @@ class Seat:
         them and the new term's by the rest; the new quorum's process group then forms under two
         ids, fails, and a replica restarts (measured under load: a worker restart after a
         Lighthouse killed alone). So this agent takes the seat again only after ``ttl_s``; any
-        other agent may take it at its next round, at its own address."""
+        other agent may take it at its next round, at its own address.
+
+        The delete compares ``index``, the key's index as this agent last saw it: a copy applied
+        late (a member that held it) cannot delete a later key of this agent's with the same
+        value. If a refresh moved the index meanwhile, the delete fails and the TTL ends the key."""
         with self._lock:
             self._retake_after = now() + self.config.ttl_s
-        self._quietly(lambda c: c.delete(self.config.key, prevValue=self.value))
+        self._quietly(lambda c: c.delete(self.config.key, prevIndex=index))
 
     def abdicate(self) -> None:
         """Give the seat up for good (this agent cannot run a Lighthouse, or is stopping): now,
@@ -336,9 +356,9 @@ class Seat:
         with self._lock:
             self._candidate = False
             self._generation += 1
-            held, self._mine_until = now() < self._mine_until, 0.0
+            held, self._mine_until, index = now() < self._mine_until, 0.0, self._index
         if held:
-            self._delete_own()
+            self._delete_own(index)
 
     def stop(self, release: bool = True) -> None:
         """Stop refreshing; ``release`` deletes the key when this agent holds it, so the next
@@ -362,9 +382,9 @@ class Seat:
                 self._say(f"the Lighthouse seat's round failed: {type(exc).__name__}: {exc}; trying again")
             self._stop.wait(self.config.refresh_s)
 
-    def _hold(self, sent: float, generation: int, term: int | None = None) -> bool:
-        """A create or refresh sent at ``sent`` succeeded: the lease runs from then, unless the
-        seat was given up meanwhile (the caller then deletes the key again)."""
+    def _hold(self, sent: float, generation: int, index: int, term: int | None = None) -> bool:
+        """A create or refresh sent at ``sent`` succeeded and left the key at ``index``: the lease
+        runs from then, unless the seat was given up meanwhile (the caller then deletes the key)."""
         with self._lock:
             if not self._candidate or generation != self._generation:
                 return False
@@ -376,6 +396,7 @@ class Seat:
                     return False
                 self.least_left_s = min(self.least_left_s, left)
             self._mine_until = sent + self.config.ttl_s - self.config.margin_s
+            self._index, self._index_first_sent = index, None
             if term is not None:
                 self._term = term
                 self.taken_at = sent
@@ -403,8 +424,8 @@ class Seat:
         except _errors() as exc:
             self._report(exc)
             return
-        if not self._hold(sent, generation, int(made.createdIndex)):
-            self._delete_own()
+        if not self._hold(sent, generation, int(made.modifiedIndex), int(made.createdIndex)):
+            self._delete_own(int(made.modifiedIndex))
             return
         self._say(f"took the Lighthouse seat (term {made.createdIndex})")
 
@@ -412,27 +433,70 @@ class Seat:
         """Extend the held lease: sent to every member, and sent again while none answers, for
         as long as the lease runs, not only at the next tick. While etcd elects a new leader
         (its leader lost or frozen) no member answers, and each send before the fence is a
-        chance to keep the seat. When the fence has passed, the agent kills the Lighthouse."""
+        chance to keep the seat. When the fence has passed, the agent kills the Lighthouse.
+
+        Each send compares the index this agent last saw: etcd applies at most one of them (the
+        first moves the index), so an answer says which send set the key's expiry. When the
+        answers are compare failures only, a send whose reply is late or lost may have been
+        applied: ``_settle`` reads the key to know."""
         import etcd
 
         key, ttl = self.config.key, self.config.ttl_s
+        with self._lock:
+            index = self._index
+            if self._index_first_sent is None:
+                self._index_first_sent = now()  # no earlier than this call's first send
+            first = self._index_first_sent
         try:
-            sent, _ = self._members.keep_sending(
-                lambda c: c.refresh(key, ttl=ttl, prevValue=self.value),
+            sent, made = self._members.keep_sending(
+                lambda c: c.refresh(key, ttl=ttl, prevIndex=index),
                 clock=now,
                 give_up=lambda: self._stop.is_set() or now() >= self.lease_end(),
                 every_s=self.config.resend_s,
             )
-        except (etcd.EtcdKeyNotFound, etcd.EtcdCompareFailed):
-            with self._lock:  # expired, or taken by another: the agent kills the Lighthouse
-                self._mine_until = 0.0
-            self._say("lost the Lighthouse seat (the lease expired before a refresh reached etcd)")
+        except etcd.EtcdKeyNotFound:
+            self._lose("the lease expired before a refresh reached etcd")
+            return
+        except etcd.EtcdCompareFailed:
+            self._settle(index, first, generation)
             return
         except _errors() as exc:  # nothing answered before the fence: the next tick may take the seat again
             self._report(exc)
             return
-        if not self._hold(sent, generation):
-            self._delete_own()
+        if not self._hold(sent, generation, int(made.modifiedIndex)):
+            self._delete_own(int(made.modifiedIndex))
+
+    def _settle(self, index: int, first: float, generation: int) -> None:
+        """A refresh comparing ``index`` failed its compare: the key moved on since this agent
+        saw it at ``index``. Either one of this agent's own refreshes comparing ``index`` was
+        applied and its reply is late or lost (the key is still this agent's, same term), or the
+        key expired and another agent created it anew. Which one is read from a quorum; in the
+        first case the lease counts from ``first``, the first send that compared ``index``: no
+        copy of it reached a member before then. Unread, the fence runs on and the next round
+        asks again."""
+        import etcd
+
+        try:
+            found = self._members.hedged(lambda c: c.read(self.config.key, quorum=True))
+        except etcd.EtcdKeyNotFound:
+            self._lose("the lease expired before a refresh reached etcd")
+            return
+        except _errors() as exc:
+            self._report(exc)
+            return
+        with self._lock:
+            term = self._term
+        moved = int(found.modifiedIndex)
+        if found.value != self.value or int(found.createdIndex) != term or moved <= index:
+            self._lose(f"the key is another's now (term {found.createdIndex})")
+            return
+        if not self._hold(first, generation, moved):
+            self._delete_own(moved)
+
+    def _lose(self, why: str) -> None:
+        with self._lock:  # the agent kills the Lighthouse at its next look
+            self._mine_until = 0.0
+        self._say(f"lost the Lighthouse seat ({why})")
 
     def _read(self, sent: float, generation: int) -> None:
         import etcd
@@ -453,7 +517,7 @@ class Seat:
             self._say(f"the Lighthouse seat's key holds {found.value!r}, not an agent's record ({exc}); ignored")
             return
         if holder.agent == self.nonce:
-            self._clear_stale()
+            self._clear_stale(int(found.modifiedIndex))
             return
         # etcd reports the TTL left rounded up to whole seconds: at least ttl - 1 s were left
         # when the member answered, which was after ``sent``.
@@ -462,13 +526,13 @@ class Seat:
             self._holder = holder
             self._holder_until = sent + left
 
-    def _clear_stale(self) -> None:
+    def _clear_stale(self, index: int) -> None:
         """The key is this agent's although it does not count the seat as held: a create whose
         reply was lost (a member that applied it and then stalled), or a lease past this agent's
         own fence but not yet expired in etcd. It is deleted, not taken back: the next holder
         (this agent only after ``ttl_s``) creates the key anew, and with it a new term, so that
         every Lighthouse process serves under a term of its own (``quorum.term``)."""
-        self._delete_own()
+        self._delete_own(index)
 
     def _report(self, exc: BaseException) -> None:
         # A member down is routine (the others answer); say so once in a while, not each round.
@@ -479,6 +543,8 @@ class Seat:
     def _quietly(self, request: Callable[[Any], Any]) -> None:
         try:
             self._members.call(request)
+        except answered():
+            pass  # the key is gone or moved on since this agent saw it: nothing of its to release
         except _errors() as exc:  # a release is a courtesy: the TTL ends it anyway
             self._report(exc)
 

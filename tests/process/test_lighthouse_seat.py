@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from elastic_train.etcd_member import split_endpoint
 from elastic_train.quorum.seat import Seat, SeatConfig, now
 from elastic_train.testing.etcd import EtcdMember, etcd_cluster, leader, require_etcd
 from elastic_train.testing.processes import ROOT, base_env, kill_group
@@ -113,6 +114,37 @@ def test_an_agent_that_abdicates_leaves_the_seat_for_good(members: list[EtcdMemb
             assert not old.mine(), "an agent that gave the seat up took it again"
             time.sleep(0.01)
         assert old.holder() is None
+
+
+def test_etcd_refuses_a_late_copy_of_the_holders_earlier_refresh(members: list[EtcdMember]) -> None:
+    """A copy of an earlier refresh that a member applies late must not move the key's expiry
+    (etcd counts it from when that member parsed the copy, before the holder's later send): the
+    holder's refreshes compare the key's index, so a copy of an earlier one fails its compare."""
+    import etcd
+
+    seat = Seat(config(members, "1001"))
+    sent: list[Callable[[Any], Any]] = []
+    keep_sending = seat._members.keep_sending
+
+    def recorded(request: Callable[[Any], Any], *args: Any, **kwargs: Any) -> Any:
+        sent.append(request)
+        return keep_sending(request, *args, **kwargs)
+
+    seat._members.keep_sending = recorded  # type: ignore[method-assign]
+    seat.start()
+    try:
+        until("three refreshes", lambda: seat.mine() and len(sent) >= 3)
+        host, port = split_endpoint(members[1].client, "etcd member")
+        client = etcd.Client(host=host, port=port)
+        before = client.read(seat.config.key, quorum=True)
+        with pytest.raises(etcd.EtcdCompareFailed):
+            sent[0](client)  # the first refresh, once more: a copy that reached etcd late
+        after = client.read(seat.config.key, quorum=True)
+        assert after.value == before.value and after.createdIndex == before.createdIndex
+        until("the holder's next refresh", lambda: len(sent) >= 5)
+        assert seat.mine(), "a refused copy cost the holder its seat"
+    finally:
+        seat.stop(release=True)
 
 
 @pytest.mark.parametrize(

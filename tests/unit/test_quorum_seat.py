@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -168,16 +169,16 @@ class FakeClient:
 
     def write(self, key: str, value: str, ttl: int, prevExist: bool) -> Any:
         self._check()
-        return SimpleNamespace(createdIndex=7)
+        return SimpleNamespace(createdIndex=7, modifiedIndex=7)
 
-    def refresh(self, key: str, ttl: int, prevValue: str) -> Any:
+    def refresh(self, key: str, ttl: int, prevIndex: int) -> Any:
         self._check()
         if self.hold_refresh:
             self.in_refresh.set()
             self.release_refresh.wait(5)
-        return SimpleNamespace()
+        return SimpleNamespace(modifiedIndex=prevIndex + 1)
 
-    def delete(self, key: str, prevValue: str) -> Any:
+    def delete(self, key: str, prevIndex: int) -> Any:
         self._check()
         return SimpleNamespace()
 
@@ -221,7 +222,7 @@ def test_a_hedged_request_takes_the_first_answer_and_fails_only_when_no_member_a
     members = fake_members(a, b, c)
     a.hold_refresh = True  # a frozen member: it holds the request until its read timeout
     began = time.monotonic()
-    assert members.hedged(lambda client: (client.refresh("k", 3, "v"), client.name)[1]) in ("b", "c")
+    assert members.hedged(lambda client: (client.refresh("k", 3, 7), client.name)[1]) in ("b", "c")
     assert time.monotonic() - began < 1.0, "the answer waited for the frozen member"
     a.release_refresh.set()
     b.down = c.down = True
@@ -312,9 +313,9 @@ class ScriptedSends:
         return request(self)
 
     def write(self, key: str, value: str, ttl: int, prevExist: bool) -> Any:
-        return SimpleNamespace(createdIndex=7)
+        return SimpleNamespace(createdIndex=7, modifiedIndex=7)
 
-    def delete(self, key: str, prevValue: str) -> Any:
+    def delete(self, key: str, prevIndex: int) -> Any:
         self.deletes.append(self.clock[0])
 
     def keep_sending(self, request: Any, clock: Any, give_up: Any, every_s: float) -> tuple[float, Any]:
@@ -326,7 +327,7 @@ class ScriptedSends:
                 self.clock[0] += every_s
             raise etcd.EtcdConnectionFailed("no leader")
         self.clock[0] = step[1]
-        return step[0], SimpleNamespace()
+        return step[0], SimpleNamespace(modifiedIndex=8)
 
 
 def test_a_refresh_holds_the_seat_from_its_answered_send_and_never_past_the_fence(
@@ -357,6 +358,209 @@ def test_a_refresh_holds_the_seat_from_its_answered_send_and_never_past_the_fenc
     clock[0] = 202.0
     seat.tick()
     assert not seat.mine() and clock[0] == 204.0
+
+
+class V2Key:
+    """etcd v2's rules for the seat's key, on the test's clock (measured on etcd 3.4's v2 API,
+    and read in its ``parseKeyRequest``): a TTL counts from when the member that received the
+    request parsed it, not from when etcd applied it; a compare is on the index or the value;
+    every applied write moves the index; the key is gone once its expiry has passed."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+        self.index = 6
+        self.node: SimpleNamespace | None = None
+
+    def live(self) -> SimpleNamespace | None:
+        if self.node is not None and self.clock[0] >= self.node.expiry:
+            self.node = None
+        return self.node
+
+    def apply(self, op: str, parsed: float, **args: Any) -> Any:
+        import etcd
+
+        node = self.live()
+        if op == "read":
+            if node is None:
+                raise etcd.EtcdKeyNotFound("no key")
+            return node
+        if op == "write":  # a create: prevExist=False
+            if node is not None:
+                raise etcd.EtcdAlreadyExist("taken")
+            self.index += 1
+            self.node = SimpleNamespace(
+                value=args["value"], createdIndex=self.index, modifiedIndex=self.index, expiry=parsed + args["ttl"]
+            )
+            return self.node
+        if node is None:
+            raise etcd.EtcdKeyNotFound("no key")
+        if "prevIndex" in args and node.modifiedIndex != args["prevIndex"]:
+            raise etcd.EtcdCompareFailed(f"{args['prevIndex']} != {node.modifiedIndex}")
+        if "prevValue" in args and node.value != args["prevValue"]:
+            raise etcd.EtcdCompareFailed("value")
+        self.index += 1
+        if op == "delete":
+            self.node = None
+            return SimpleNamespace(modifiedIndex=self.index)
+        node.modifiedIndex, node.expiry = self.index, parsed + args["ttl"]  # a refresh
+        return node
+
+
+class V2Member:
+    """One member of the etcd holding ``V2Key``. While ``holding``, a request is parsed but not
+    applied (a member cut off from its leader): the client times out, and the copy waits in
+    ``late`` until the test applies it."""
+
+    def __init__(self, key: V2Key) -> None:
+        self.key = key
+        self.holding = False
+        self.late: list[Callable[[], Any]] = []
+
+    def _do(self, op: str, **args: Any) -> Any:
+        import etcd
+
+        parsed = self.key.clock[0]
+        if self.holding:
+            self.late.append(lambda: self.key.apply(op, parsed, **args))
+            raise etcd.EtcdConnectionFailed("read timed out")
+        return self.key.apply(op, parsed, **args)
+
+    def write(self, key: str, value: str, ttl: int, prevExist: bool) -> Any:
+        return self._do("write", value=value, ttl=ttl)
+
+    def refresh(self, key: str, ttl: int, **compare: Any) -> Any:
+        return self._do("refresh", ttl=ttl, **compare)
+
+    def delete(self, key: str, **compare: Any) -> Any:
+        return self._do("delete", **compare)
+
+    def read(self, key: str, quorum: bool) -> Any:
+        return self._do("read")
+
+
+class ScriptedRefreshes(Members):
+    """Real creates, deletes and reads on ``V2Member``s; each refresh call runs the test's next
+    step, which sends the seat's request where and when the test says."""
+
+    def __init__(self, *clients: V2Member) -> None:
+        self.clients, self.current, self.read_timeout_s = list(clients), 0, 1.0
+        self.steps: list[Callable[[Any], tuple[float, Any]]] = []
+
+    def keep_sending(self, request: Any, clock: Any, give_up: Any, every_s: float) -> tuple[float, Any]:
+        return self.steps.pop(0)(request)
+
+
+def sent_to(member: V2Member, request: Any) -> Any:
+    """The reply to ``request`` at ``member``, or the error it raised."""
+    try:
+        return request(member)
+    except Exception as exc:
+        return exc
+
+
+def heal(member: V2Member) -> None:
+    """The member finds its leader again: etcd applies each copy it held, or refuses it (an
+    answer nobody waits for any more)."""
+    held, member.late = member.late, []
+    for copy in held:
+        with contextlib.suppress(Exception):
+            copy()
+
+
+def seat_on_v2(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[float], V2Key, V2Member, V2Member, ScriptedRefreshes, Seat]:
+    clock = [100.0]
+    monkeypatch.setattr("elastic_train.quorum.seat.now", lambda: clock[0])
+    key = V2Key(clock)
+    late, live = V2Member(key), V2Member(key)
+    members = ScriptedRefreshes(late, live)
+    seat = Seat(SeatConfig(("a:1", "b:1"), "job", "http://h:1", ttl_s=5, margin_s=1.0), members)
+    seat.tick()  # the create, sent at 100: the key expires at 105, the fence is at 104
+    assert seat.mine() and key.live() is not None and seat.lease_end() == 104.0
+    return clock, key, late, live, members, seat
+
+
+def test_a_late_copy_of_an_earlier_refresh_cannot_end_the_key_before_the_holders_fence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member that parsed a refresh and applied it only after a later send was answered would
+    set an expiry earlier than the one the holder counts from: with a compare on the value, the
+    key expired a second before the holder's fence (two Lighthouses for that second)."""
+    clock, key, late, live, members, seat = seat_on_v2(monkeypatch)
+
+    def election(request: Any) -> tuple[float, Any]:
+        late.holding = True
+        assert isinstance(sent_to(late, request), Exception)  # parsed at 100.5, held
+        clock[0] = 102.5
+        made = sent_to(live, request)  # parsed and applied at 102.5: expires at 107.5
+        clock[0] = 103.5
+        return 102.5, made
+
+    members.steps.append(election)
+    clock[0] = 100.5
+    seat.tick()
+    assert seat.mine() and seat.lease_end() == 106.5
+    clock[0] = 103.6
+    heal(late)
+    node = key.live()
+    assert node is not None and node.expiry - seat.lease_end() >= seat.config.margin_s, (
+        f"the key expires at {node and node.expiry}, the holder's Lighthouse serves until {seat.lease_end()}"
+    )
+
+
+def test_when_only_compare_failures_come_back_the_lease_counts_from_the_first_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A send was applied but its reply was lost; a later send fails its compare. The seat
+    reads the key: still its own, so one of its sends set the expiry, none before the first."""
+    clock, key, late, live, members, seat = seat_on_v2(monkeypatch)
+
+    def reply_lost(request: Any) -> tuple[float, Any]:
+        late.holding = True
+        sent_to(late, request)  # parsed at 100.5 ...
+        clock[0] = 101.0
+        late.late.pop()()  # ... and applied at 101 (expires at 105.5); its reply never came
+        clock[0] = 101.2
+        failed = sent_to(live, request)
+        assert type(failed).__name__ == "EtcdCompareFailed", failed
+        raise failed
+
+    members.steps.append(reply_lost)
+    clock[0] = 100.5
+    seat.tick()
+    assert seat.mine(), "a compare failure on its own moved key cost the holder its seat"
+    assert seat.lease_end() == 104.5, "not counted from the first send"
+    node = key.live()
+    assert node is not None and node.expiry - seat.lease_end() >= seat.config.margin_s
+    # The next refresh compares the index the read found.
+    members.steps.append(lambda request: (101.5, request(live)))
+    clock[0] = 101.5
+    seat.tick()
+    assert seat.lease_end() == 105.5 and key.live() is not None
+    # The key taken by another agent after an expiry: the compare fails and the read says so.
+    key.node = SimpleNamespace(value="another", createdIndex=99, modifiedIndex=99, expiry=200.0)
+    members.steps.append(lambda request: (102.0, request(live)))
+    clock[0] = 102.0
+    seat.tick()
+    assert not seat.mine() and key.live() is not None and key.live().value == "another"
+
+
+def test_a_late_copy_of_a_delete_cannot_delete_the_agents_next_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's key has the same value in every term: a delete that compared the value and
+    was applied late would delete a key created after it, while its Lighthouse serves."""
+    clock, key, late, _, _, seat = seat_on_v2(monkeypatch)
+    late.holding = True
+    clock[0] = 100.2
+    seat.resign()  # sent to the member that holds it, then to the next, which deletes the key
+    assert key.live() is None and len(late.late) == 1
+    late.holding = False
+    clock[0] = 105.2  # after the TTL it may take the seat again
+    seat.tick()
+    assert seat.mine()
+    clock[0] = 105.5
+    heal(late)  # the held copy of the delete reaches etcd
+    assert key.live() is not None, "a copy of an old delete deleted the key of the seat's new term"
 
 
 def test_the_seat_thread_outlives_a_round_that_raises() -> None:
