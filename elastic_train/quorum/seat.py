@@ -24,7 +24,9 @@ key only once the TTL has run out, so the old holder's Lighthouse is dead before
 create the key again: two Lighthouses never serve at once, a frozen holder included (when it
 thaws, the agent's first look at the clock kills its Lighthouse). Clocks are ``CLOCK_BOOTTIME``
 (it counts while a process is stopped or the host suspended); the assumption is the usual one of
-leases, that no clock runs ``margin_s`` per ``ttl_s`` slower than etcd's.
+leases, that no clock runs ``margin_s`` per ``ttl_s`` slower than etcd's. etcd's own members must
+agree on the time too: a member stamps a refresh's expiry with its clock, and the leader ends keys
+by its own, so an offset between them eats into ``margin_s`` (keep them on NTP).
 
 What this does not give alone: a side cut off from etcd and from the other replicas forms
 quorums of its own until its fence, and a quorum formed by the old Lighthouse just before the
@@ -51,6 +53,9 @@ from elastic_train.etcd_member import EtcdError, split_endpoint
 from elastic_train.quorum.forward import Route
 
 KEY = "/elastic-train/{job}/lighthouse"
+# Refreshes in a row that a read settles (``Seat._refresh``): each counts its lease from an
+# earlier send, so the next goes at once; past this many, it waits for the next tick.
+SETTLES = 3
 
 
 def now() -> float:
@@ -192,8 +197,7 @@ class Members:
         """``request(client)`` on every member at once; the first answer wins (a result, or
         etcd's answer about the key, ``answered()``), and the last member's error when none
         answers (out of reach, or no leader to take the request).
-        Only for requests that may be applied more than once, or of which etcd applies at most
-        one copy: a quorum read, a refresh that compares the key's index.
+        Only for requests that may be applied more than once: a quorum read.
 
         Why not in turn: while the leader is frozen, every write and quorum read waits out the
         read timeout on each member until the others have elected a new one. In turn, a round
@@ -329,11 +333,11 @@ class Seat:
         under the old term."""
         with self._lock:
             self._generation += 1
-            held, self._mine_until, index = now() < self._mine_until, 0.0, self._index
+            held, self._mine_until, index, term = now() < self._mine_until, 0.0, self._index, self._term
         if held:
-            self._delete_own(index)
+            self._delete_own(index, term)
 
-    def _delete_own(self, index: int) -> None:
+    def _delete_own(self, index: int, term: int) -> None:
         """Delete this agent's key while etcd still counts it as live, and stand back. The other
         agents may have read the key just before: each relays to this agent's address under the
         old term until its read's lease runs out, up to ``ttl_s`` later. A new Lighthouse of this
@@ -345,10 +349,25 @@ class Seat:
 
         The delete compares ``index``, the key's index as this agent last saw it: a copy applied
         late (a member that held it) cannot delete a later key of this agent's with the same
-        value. If a refresh moved the index meanwhile, the delete fails and the TTL ends the key."""
+        value. If a refresh of this agent's moved the index meanwhile (its reply lost, or not
+        awaited once the agent stopped), the key is read and, still this agent's key of
+        ``term``, deleted at the index read."""
+        import etcd
+
         with self._lock:
             self._retake_after = now() + self.config.ttl_s
-        self._quietly(lambda c: c.delete(self.config.key, prevIndex=index))
+        key = self.config.key
+
+        def delete(client: Any) -> Any:
+            try:
+                return client.delete(key, prevIndex=index)
+            except etcd.EtcdCompareFailed:
+                found = client.read(key, quorum=True)
+                if found.value != self.value or int(found.createdIndex) != term:
+                    return None  # another's key now: nothing of this agent's to release
+                return client.delete(key, prevIndex=int(found.modifiedIndex))
+
+        self._quietly(delete)
 
     def abdicate(self) -> None:
         """Give the seat up for good (this agent cannot run a Lighthouse, or is stopping): now,
@@ -356,9 +375,9 @@ class Seat:
         with self._lock:
             self._candidate = False
             self._generation += 1
-            held, self._mine_until, index = now() < self._mine_until, 0.0, self._index
+            held, self._mine_until, index, term = now() < self._mine_until, 0.0, self._index, self._term
         if held:
-            self._delete_own(index)
+            self._delete_own(index, term)
 
     def stop(self, release: bool = True) -> None:
         """Stop refreshing; ``release`` deletes the key when this agent holds it, so the next
@@ -425,7 +444,7 @@ class Seat:
             self._report(exc)
             return
         if not self._hold(sent, generation, int(made.modifiedIndex), int(made.createdIndex)):
-            self._delete_own(int(made.modifiedIndex))
+            self._delete_own(int(made.modifiedIndex), int(made.createdIndex))
             return
         self._say(f"took the Lighthouse seat (term {made.createdIndex})")
 
@@ -436,14 +455,22 @@ class Seat:
         chance to keep the seat. When the fence has passed, the agent kills the Lighthouse.
 
         Each send compares the index this agent last saw: etcd applies at most one of them (the
-        first moves the index), so an answer says which send set the key's expiry. When the
-        answers are compare failures only, a send whose reply is late or lost may have been
-        applied: ``_settle`` reads the key to know."""
+        first moves the index), so a success names the send that set the key's expiry. When the
+        first answer is a compare failure instead, a send whose reply is late or lost may have
+        been applied: ``_settle`` reads the key to know. A lease kept that way counts from an
+        earlier send, the first that compared the old index, so the refresh goes again at once
+        with the index read, not at the next tick (at most ``SETTLES`` times in a row)."""
+        for _ in range(SETTLES):
+            if not self._refresh_once(generation):
+                return
+
+    def _refresh_once(self, generation: int) -> bool:
+        """One refresh; True when it was settled by a read (refresh again now)."""
         import etcd
 
         key, ttl = self.config.key, self.config.ttl_s
         with self._lock:
-            index = self._index
+            index, term = self._index, self._term
             if self._index_first_sent is None:
                 self._index_first_sent = now()  # no earlier than this call's first send
             first = self._index_first_sent
@@ -451,47 +478,58 @@ class Seat:
             sent, made = self._members.keep_sending(
                 lambda c: c.refresh(key, ttl=ttl, prevIndex=index),
                 clock=now,
-                give_up=lambda: self._stop.is_set() or now() >= self.lease_end(),
+                give_up=self._lease_over,
                 every_s=self.config.resend_s,
             )
         except etcd.EtcdKeyNotFound:
             self._lose("the lease expired before a refresh reached etcd")
-            return
+            return False
         except etcd.EtcdCompareFailed:
-            self._settle(index, first, generation)
-            return
+            return self._settle(index, first, generation)
         except _errors() as exc:  # nothing answered before the fence: the next tick may take the seat again
             self._report(exc)
-            return
+            return False
         if not self._hold(sent, generation, int(made.modifiedIndex)):
-            self._delete_own(int(made.modifiedIndex))
+            self._delete_own(int(made.modifiedIndex), term)
+        return False
 
-    def _settle(self, index: int, first: float, generation: int) -> None:
+    def _lease_over(self) -> bool:
+        return self._stop.is_set() or now() >= self.lease_end()
+
+    def _settle(self, index: int, first: float, generation: int) -> bool:
         """A refresh comparing ``index`` failed its compare: the key moved on since this agent
         saw it at ``index``. Either one of this agent's own refreshes comparing ``index`` was
         applied and its reply is late or lost (the key is still this agent's, same term), or the
-        key expired and another agent created it anew. Which one is read from a quorum; in the
-        first case the lease counts from ``first``, the first send that compared ``index``: no
-        copy of it reached a member before then. Unread, the fence runs on and the next round
-        asks again."""
+        key expired and another agent created it anew. Which one is read from a quorum, asked
+        again every ``resend_s`` while the lease runs (as the refresh is); in the first case the
+        lease counts from ``first``, the first send that compared ``index``: no copy of it
+        reached a member before then. True when the seat is kept that way."""
         import etcd
 
+        key = self.config.key
         try:
-            found = self._members.hedged(lambda c: c.read(self.config.key, quorum=True))
+            _, found = self._members.keep_sending(
+                lambda c: c.read(key, quorum=True),
+                clock=now,
+                give_up=self._lease_over,
+                every_s=self.config.resend_s,
+            )
         except etcd.EtcdKeyNotFound:
             self._lose("the lease expired before a refresh reached etcd")
-            return
-        except _errors() as exc:
+            return False
+        except _errors() as exc:  # unread before the fence: the next tick may take the seat again
             self._report(exc)
-            return
+            return False
         with self._lock:
             term = self._term
         moved = int(found.modifiedIndex)
         if found.value != self.value or int(found.createdIndex) != term or moved <= index:
             self._lose(f"the key is another's now (term {found.createdIndex})")
-            return
+            return False
         if not self._hold(first, generation, moved):
-            self._delete_own(moved)
+            self._delete_own(moved, term)
+            return False
+        return True
 
     def _lose(self, why: str) -> None:
         with self._lock:  # the agent kills the Lighthouse at its next look
@@ -517,7 +555,7 @@ class Seat:
             self._say(f"the Lighthouse seat's key holds {found.value!r}, not an agent's record ({exc}); ignored")
             return
         if holder.agent == self.nonce:
-            self._clear_stale(int(found.modifiedIndex))
+            self._clear_stale(int(found.modifiedIndex), int(found.createdIndex))
             return
         # etcd reports the TTL left rounded up to whole seconds: at least ttl - 1 s were left
         # when the member answered, which was after ``sent``.
@@ -526,13 +564,13 @@ class Seat:
             self._holder = holder
             self._holder_until = sent + left
 
-    def _clear_stale(self, index: int) -> None:
+    def _clear_stale(self, index: int, term: int) -> None:
         """The key is this agent's although it does not count the seat as held: a create whose
         reply was lost (a member that applied it and then stalled), or a lease past this agent's
         own fence but not yet expired in etcd. It is deleted, not taken back: the next holder
         (this agent only after ``ttl_s``) creates the key anew, and with it a new term, so that
         every Lighthouse process serves under a term of its own (``quorum.term``)."""
-        self._delete_own(index)
+        self._delete_own(index, term)
 
     def _report(self, exc: BaseException) -> None:
         # A member down is routine (the others answer); say so once in a while, not each round.
@@ -543,8 +581,8 @@ class Seat:
     def _quietly(self, request: Callable[[Any], Any]) -> None:
         try:
             self._members.call(request)
-        except answered():
-            pass  # the key is gone or moved on since this agent saw it: nothing of its to release
+        except answered() as exc:  # gone, or moved on again between the read and the delete
+            self._say(f"released nothing: {type(exc).__name__}: {exc}; etcd ends the key at its TTL")
         except _errors() as exc:  # a release is a courtesy: the TTL ends it anyway
             self._report(exc)
 

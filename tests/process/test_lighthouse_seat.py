@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -124,26 +125,31 @@ def test_etcd_refuses_a_late_copy_of_the_holders_earlier_refresh(members: list[E
 
     seat = Seat(config(members, "1001"))
     sent: list[Callable[[Any], Any]] = []
+    gate = threading.Event()  # the holder's fourth refresh waits for it: nothing else writes the key
     keep_sending = seat._members.keep_sending
 
     def recorded(request: Callable[[Any], Any], *args: Any, **kwargs: Any) -> Any:
         sent.append(request)
+        if len(sent) == 4:
+            assert gate.wait(10)
         return keep_sending(request, *args, **kwargs)
 
     seat._members.keep_sending = recorded  # type: ignore[method-assign]
     seat.start()
     try:
-        until("three refreshes", lambda: seat.mine() and len(sent) >= 3)
+        until("three refreshes done", lambda: seat.mine() and len(sent) >= 4)
         host, port = split_endpoint(members[1].client, "etcd member")
         client = etcd.Client(host=host, port=port)
         before = client.read(seat.config.key, quorum=True)
         with pytest.raises(etcd.EtcdCompareFailed):
-            sent[0](client)  # the first refresh, once more: a copy that reached etcd late
+            sent[0](client)  # the first refresh, again: a copy that reached etcd two refreshes late
         after = client.read(seat.config.key, quorum=True)
-        assert after.value == before.value and after.createdIndex == before.createdIndex
-        until("the holder's next refresh", lambda: len(sent) >= 5)
+        assert (after.modifiedIndex, after.expiration) == (before.modifiedIndex, before.expiration)
+        gate.set()
+        until("the holder's next refresh", lambda: len(sent) >= 6)
         assert seat.mine(), "a refused copy cost the holder its seat"
     finally:
+        gate.set()
         seat.stop(release=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from elastic_train.etcd_member import EtcdError
 from elastic_train.quorum.forward import Forwarder, Route
 from elastic_train.quorum.launch import parse
-from elastic_train.quorum.seat import Members, Seat, SeatConfig
+from elastic_train.quorum.seat import Members, Seat, SeatConfig, now
 from elastic_train.quorum.term import SHIFT, TermedClient, read_term, write_term
 
 pytestmark = pytest.mark.timeout(60)
@@ -364,26 +365,32 @@ class V2Key:
     """etcd v2's rules for the seat's key, on the test's clock (measured on etcd 3.4's v2 API,
     and read in its ``parseKeyRequest``): a TTL counts from when the member that received the
     request parsed it, not from when etcd applied it; a compare is on the index or the value;
-    every applied write moves the index; the key is gone once its expiry has passed."""
+    every applied write moves the index; the key is gone once its expiry has passed (etcd
+    sweeps every 0.5 s: stricter here)."""
 
-    def __init__(self, clock: list[float]) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.index = 6
         self.node: SimpleNamespace | None = None
+        self.lock = threading.Lock()
 
     def live(self) -> SimpleNamespace | None:
-        if self.node is not None and self.clock[0] >= self.node.expiry:
+        if self.node is not None and self.clock() >= self.node.expiry:
             self.node = None
         return self.node
 
     def apply(self, op: str, parsed: float, **args: Any) -> Any:
+        with self.lock:
+            return self._apply(op, parsed, **args)
+
+    def _apply(self, op: str, parsed: float, **args: Any) -> Any:
         import etcd
 
         node = self.live()
         if op == "read":
             if node is None:
                 raise etcd.EtcdKeyNotFound("no key")
-            return node
+            return SimpleNamespace(**vars(node), ttl=math.ceil(node.expiry - self.clock()))
         if op == "write":  # a create: prevExist=False
             if node is not None:
                 raise etcd.EtcdAlreadyExist("taken")
@@ -391,7 +398,7 @@ class V2Key:
             self.node = SimpleNamespace(
                 value=args["value"], createdIndex=self.index, modifiedIndex=self.index, expiry=parsed + args["ttl"]
             )
-            return self.node
+            return SimpleNamespace(**vars(self.node))
         if node is None:
             raise etcd.EtcdKeyNotFound("no key")
         if "prevIndex" in args and node.modifiedIndex != args["prevIndex"]:
@@ -403,27 +410,42 @@ class V2Key:
             self.node = None
             return SimpleNamespace(modifiedIndex=self.index)
         node.modifiedIndex, node.expiry = self.index, parsed + args["ttl"]  # a refresh
-        return node
+        return SimpleNamespace(**vars(node))
 
 
 class V2Member:
     """One member of the etcd holding ``V2Key``. While ``holding``, a request is parsed but not
-    applied (a member cut off from its leader): the client times out, and the copy waits in
-    ``late`` until the test applies it."""
+    applied (a member that stalled between parsing it and proposing it): the client times out,
+    and the copy waits in ``late`` until the test applies it. ``before_apply`` and
+    ``before_reply``: events it waits for (real time, threaded tests) before it applies a
+    request and before it answers; ``applied`` and ``answered`` are set after it did."""
 
     def __init__(self, key: V2Key) -> None:
         self.key = key
         self.holding = False
         self.late: list[Callable[[], Any]] = []
+        self.before_apply: threading.Event | None = None
+        self.before_reply: threading.Event | None = None
+        self.applied, self.answered = threading.Event(), threading.Event()
+        self.ops: list[str] = []  # what it was asked, in order
 
     def _do(self, op: str, **args: Any) -> Any:
         import etcd
 
-        parsed = self.key.clock[0]
+        self.ops.append(op)
+        parsed = self.key.clock()
         if self.holding:
             self.late.append(lambda: self.key.apply(op, parsed, **args))
             raise etcd.EtcdConnectionFailed("read timed out")
-        return self.key.apply(op, parsed, **args)
+        if self.before_apply is not None:
+            assert self.before_apply.wait(5)
+        try:
+            return self.key.apply(op, parsed, **args)
+        finally:
+            self.applied.set()
+            if self.before_reply is not None:
+                assert self.before_reply.wait(5)
+            self.answered.set()
 
     def write(self, key: str, value: str, ttl: int, prevExist: bool) -> Any:
         return self._do("write", value=value, ttl=ttl)
@@ -438,16 +460,23 @@ class V2Member:
         return self._do("read")
 
 
+Step = Callable[[Any], tuple[float, Any]] | None
+
+
 class ScriptedRefreshes(Members):
-    """Real creates, deletes and reads on ``V2Member``s; each refresh call runs the test's next
-    step, which sends the seat's request where and when the test says."""
+    """Real creates and deletes on ``V2Member``s; each call that keeps sending (a refresh, the
+    read that settles one) runs the test's next step, which sends the seat's request where and
+    when the test says; with no step left, or a None step, the last member answers at once."""
 
     def __init__(self, *clients: V2Member) -> None:
         self.clients, self.current, self.read_timeout_s = list(clients), 0, 1.0
-        self.steps: list[Callable[[Any], tuple[float, Any]]] = []
+        self.steps: list[Step] = []
 
     def keep_sending(self, request: Any, clock: Any, give_up: Any, every_s: float) -> tuple[float, Any]:
-        return self.steps.pop(0)(request)
+        step = self.steps.pop(0) if self.steps else None
+        if step is None:
+            return clock(), request(self.clients[-1])
+        return step(request)
 
 
 def sent_to(member: V2Member, request: Any) -> Any:
@@ -459,12 +488,19 @@ def sent_to(member: V2Member, request: Any) -> Any:
 
 
 def heal(member: V2Member) -> None:
-    """The member finds its leader again: etcd applies each copy it held, or refuses it (an
-    answer nobody waits for any more)."""
+    """The member goes on: etcd applies each copy it held, or refuses it (an answer nobody waits
+    for any more)."""
     held, member.late = member.late, []
     for copy in held:
         with contextlib.suppress(Exception):
             copy()
+
+
+def unanswered(request: Any) -> tuple[float, Any]:
+    """No member answers before the seat gives up."""
+    import etcd
+
+    raise etcd.EtcdConnectionFailed("no leader")
 
 
 def seat_on_v2(
@@ -472,13 +508,22 @@ def seat_on_v2(
 ) -> tuple[list[float], V2Key, V2Member, V2Member, ScriptedRefreshes, Seat]:
     clock = [100.0]
     monkeypatch.setattr("elastic_train.quorum.seat.now", lambda: clock[0])
-    key = V2Key(clock)
+    key = V2Key(lambda: clock[0])
     late, live = V2Member(key), V2Member(key)
     members = ScriptedRefreshes(late, live)
     seat = Seat(SeatConfig(("a:1", "b:1"), "job", "http://h:1", ttl_s=5, margin_s=1.0), members)
     seat.tick()  # the create, sent at 100: the key expires at 105, the fence is at 104
     assert seat.mine() and key.live() is not None and seat.lease_end() == 104.0
     return clock, key, late, live, members, seat
+
+
+def fenced_in_time(key: V2Key, seat: Seat) -> None:
+    """The holder's Lighthouse is dead (its fence) at least ``margin_s`` before etcd ends the key."""
+    node = key.live()
+    assert node is not None, "the key expired while the holder counted the seat as its own"
+    assert node.expiry - seat.lease_end() >= seat.config.margin_s, (
+        f"the key expires at {node.expiry}, the holder's Lighthouse serves until {seat.lease_end()}"
+    )
 
 
 def test_a_late_copy_of_an_earlier_refresh_cannot_end_the_key_before_the_holders_fence(
@@ -503,47 +548,92 @@ def test_a_late_copy_of_an_earlier_refresh_cannot_end_the_key_before_the_holders
     assert seat.mine() and seat.lease_end() == 106.5
     clock[0] = 103.6
     heal(late)
-    node = key.live()
-    assert node is not None and node.expiry - seat.lease_end() >= seat.config.margin_s, (
-        f"the key expires at {node and node.expiry}, the holder's Lighthouse serves until {seat.lease_end()}"
-    )
+    fenced_in_time(key, seat)
 
 
-def test_when_only_compare_failures_come_back_the_lease_counts_from_the_first_send(
+def reply_lost(
+    clock: list[float], late: V2Member, live: V2Member, parsed: float, applied: float, failed: float
+) -> Step:
+    """A send parsed at ``parsed`` is applied at ``applied`` and its reply lost; the next send,
+    at ``failed``, fails its compare: the first answer to come back."""
+
+    def step(request: Any) -> tuple[float, Any]:
+        late.holding = True
+        clock[0] = parsed
+        sent_to(late, request)
+        clock[0] = applied
+        late.late.pop()()
+        late.holding = False
+        clock[0] = failed
+        answer = sent_to(live, request)
+        assert type(answer).__name__ == "EtcdCompareFailed", answer
+        raise answer
+
+    return step
+
+
+def test_when_a_compare_failure_comes_back_first_the_lease_counts_from_the_first_send(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A send was applied but its reply was lost; a later send fails its compare. The seat
-    reads the key: still its own, so one of its sends set the expiry, none before the first."""
+    reads the key: still its own, so one of its sends set the expiry, none before the first.
+    It then refreshes again at once, comparing the index it read."""
     clock, key, late, live, members, seat = seat_on_v2(monkeypatch)
-
-    def reply_lost(request: Any) -> tuple[float, Any]:
-        late.holding = True
-        sent_to(late, request)  # parsed at 100.5 ...
-        clock[0] = 101.0
-        late.late.pop()()  # ... and applied at 101 (expires at 105.5); its reply never came
-        clock[0] = 101.2
-        failed = sent_to(live, request)
-        assert type(failed).__name__ == "EtcdCompareFailed", failed
-        raise failed
-
-    members.steps.append(reply_lost)
+    # The refresh, the read that settles it, and the refresh sent at once after: unanswered.
+    members.steps += [reply_lost(clock, late, live, 100.5, 101.0, 101.2), None, unanswered]
     clock[0] = 100.5
     seat.tick()
     assert seat.mine(), "a compare failure on its own moved key cost the holder its seat"
     assert seat.lease_end() == 104.5, "not counted from the first send"
-    node = key.live()
-    assert node is not None and node.expiry - seat.lease_end() >= seat.config.margin_s
-    # The next refresh compares the index the read found.
-    members.steps.append(lambda request: (101.5, request(live)))
+    fenced_in_time(key, seat)
+    # Settled twice in a row (the second refresh's reply lost too), at two indices: each counts
+    # from the first send that compared its own index.
+    members.steps += [
+        reply_lost(clock, late, live, 101.5, 101.6, 101.7),
+        None,
+        reply_lost(clock, late, live, 101.7, 101.9, 102.0),  # sent as the first settle ends
+        None,
+        unanswered,
+    ]
     clock[0] = 101.5
     seat.tick()
-    assert seat.lease_end() == 105.5 and key.live() is not None
-    # The key taken by another agent after an expiry: the compare fails and the read says so.
-    key.node = SimpleNamespace(value="another", createdIndex=99, modifiedIndex=99, expiry=200.0)
-    members.steps.append(lambda request: (102.0, request(live)))
+    assert seat.lease_end() == 105.7, "the second settle counted from the first one's send"
+    fenced_in_time(key, seat)
+    # The next refresh compares the index the read found, and is answered.
+    clock[0] = 102.5
+    seat.tick()
+    assert seat.lease_end() == 106.5 and key.live() is not None
+
+
+def test_a_settle_read_that_fails_keeps_the_first_send_for_the_next_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read that would settle a compare failure is not answered; the next round's refresh
+    fails its compare at once and its read is answered: the lease still counts from the first
+    round's first send, the earliest any copy comparing that index left."""
+    clock, key, late, live, members, seat = seat_on_v2(monkeypatch)
+    members.steps += [reply_lost(clock, late, live, 100.5, 100.6, 100.7), unanswered]
+    clock[0] = 100.5
+    seat.tick()
+    assert seat.mine() and seat.lease_end() == 104.0  # not settled: the create's lease runs on
+    members.steps += [None, None, unanswered]  # the refresh fails its compare; the read answers
     clock[0] = 102.0
     seat.tick()
-    assert not seat.mine() and key.live() is not None and key.live().value == "another"
+    assert seat.lease_end() == 104.5, "counted from the second round's send, after the applied copy"
+    fenced_in_time(key, seat)
+
+
+@pytest.mark.parametrize("moved", ["another agent's value", "a new term of this agent's"])
+def test_a_compare_failure_on_a_key_that_is_not_this_terms_loses_the_seat(
+    moved: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock, key, _, _, _, seat = seat_on_v2(monkeypatch)
+    node = key.live()
+    assert node is not None
+    key.index += 1
+    value = "another" if moved == "another agent's value" else node.value  # the same agent, created anew
+    key.node = SimpleNamespace(value=value, createdIndex=key.index, modifiedIndex=key.index, expiry=200.0)
+    clock[0] = 100.5
+    seat.tick()
+    assert not seat.mine()
 
 
 def test_a_late_copy_of_a_delete_cannot_delete_the_agents_next_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -561,6 +651,41 @@ def test_a_late_copy_of_a_delete_cannot_delete_the_agents_next_key(monkeypatch: 
     clock[0] = 105.5
     heal(late)  # the held copy of the delete reaches etcd
     assert key.live() is not None, "a copy of an old delete deleted the key of the seat's new term"
+
+
+def test_a_release_after_a_refresh_whose_reply_was_not_awaited_still_deletes_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent stops while a refresh is out: etcd applied it, the agent never saw its reply,
+    so its delete compares an old index. It reads the key, its own of the same term, and deletes
+    it at the index read: the next agent need not wait for the TTL."""
+    _, key, _, live, _, seat = seat_on_v2(monkeypatch)
+    node = key.live()
+    assert node is not None
+    sent_to(live, lambda c: c.refresh("k", ttl=5, prevIndex=node.modifiedIndex))  # its reply not awaited
+    seat.abdicate()
+    assert key.live() is None, "the release left the key to its TTL"
+
+
+def test_a_compare_failure_answered_before_the_applied_sends_reply_is_settled_by_a_read() -> None:
+    """With the real resends: one member applies the refresh and its reply is slow; the other
+    fails its compare and answers first. A read settles it, and the seat is kept; the refresh
+    that follows at once compares the index read."""
+    key = V2Key(now)
+    slow, quick = V2Member(key), V2Member(key)
+    members = fake_members(slow, quick)  # type: ignore[arg-type]
+    seat = Seat(SeatConfig(("a:1", "b:1"), "job", "http://h:1", ttl_s=5, margin_s=1.0), members)
+    seat.tick()
+    assert seat.mine()
+    quick.before_apply = slow.applied  # the slow member applies its copy first ...
+    slow.before_reply = quick.answered  # ... and answers after the quick one's compare failure
+    seat.tick()
+    quick.before_apply = slow.before_reply = None
+    assert seat.mine(), "the compare failure cost the seat"
+    assert "read" in quick.ops + slow.ops, "not settled by a read"
+    node = key.live()
+    assert node is not None and seat._index == node.modifiedIndex
+    assert node.expiry - seat.lease_end() >= seat.config.margin_s
 
 
 def test_the_seat_thread_outlives_a_round_that_raises() -> None:
