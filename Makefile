@@ -26,9 +26,10 @@ demo: $(STAMP)
 ## Slurm requeues, rendezvous), so a third lane fills the 2 cores where two left them idle a
 ## tenth of the time (Dec 7, fresh clones a commit apart: 39.4 min with two lanes, 34.6 with
 ## three, both cores 95% busy then). A file's tests stay together on one worker (module fixtures, the
-## one local Slurm node, network namespaces).
+## one local Slurm node, network namespaces). Files are handed out longest first (tests/conftest.py
+## LAYER_ORDER; pytest-xdist's own order, by number of tests, put the minute-long few-test files last).
 test: $(STAMP) lint
-	$(PY) -m pytest -n 3 --dist loadfile --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=30 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check elastic_train tests benchmarks jobs examples

@@ -52,9 +52,29 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
     return None
 
 
+# The order pytest-xdist hands test files to its lanes (the Makefile turns off its own, which sorts
+# files by their number of tests and so put the few-test files that take minutes, such as the
+# gpu-check smoke, the docs quick start and the Slurm jobs, last, each alone on a lane while the
+# others had run dry): the longest first, the many short unit files last to fill the lanes' ends.
+LAYER_ORDER = ("slurm", "launch", "netns", "process", "unit")
+# Files placed first in another layer's turn: the two longest single tests (Dec 7), and the second
+# Slurm file, which must not run beside the first: every job asks for the node's 2 CPUs, so jobs
+# of two files at once would queue behind each other past their tests' waits.
+PLACED = {"test_gpu_check.py": "launch", "test_docs_run.py": "launch", "test_slurm_quorum.py": "process"}
+
+
+def run_order(path: Path) -> tuple[int, int]:
+    """Where a test file goes in the run: by layer (or its place), placed files first."""
+    if path.name in PLACED:
+        return LAYER_ORDER.index(PLACED[path.name]), 0
+    layer = layer_of(path, TESTS)
+    return (LAYER_ORDER.index(layer.folder) if layer is not None else len(LAYER_ORDER)), 1
+
+
 # tryfirst: the markers must be on the items before `-m` deselects by them (pytest's own hook).
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: run_order(item.path))  # stable: a file's tests keep their order
     for item in items:
         layer = layer_of(item.path, TESTS)
         if layer is None:

@@ -93,3 +93,14 @@ def test_a_test_marked_for_another_layer_than_its_folders_fails_naming_both(pyte
     result = pytester.runpytest_inprocess("-m", "unit", "tests")
     result.assert_outcomes(errors=1)
     assert "is marked torchrun but sits in tests/unit/ (unit)" in result.stdout.str()
+
+
+def test_test_files_are_handed_out_longest_layers_first_and_the_two_slurm_files_apart() -> None:
+    from tests.conftest import TESTS, run_order
+
+    def at(relative: str) -> tuple[int, int]:
+        return run_order(TESTS / relative)
+
+    assert at("slurm/test_slurm.py") < at("launch/test_docs_run.py") < at("launch/test_elastic.py")
+    assert at("launch/test_elastic.py") < at("netns/test_partitions.py") < at("slurm/test_slurm_quorum.py")
+    assert at("slurm/test_slurm_quorum.py") < at("process/test_cli.py") < at("unit/test_layers.py")
