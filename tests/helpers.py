@@ -194,10 +194,15 @@ def spawn_ranks(target: Any, world_size: int, args: tuple[Any, ...], timeout: fl
     import multiprocessing
     import tempfile
 
-    ctx = multiprocessing.get_context("spawn")
+    # Forked from a server that imported torch once (per pytest worker), not spawned: a spawned
+    # rank spent ~2.5 s of CPU importing torch, most of a small test's cost on a 2-core machine.
+    # The server's environment and folder are its start's, so each rank takes this call's.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", target.__module__])
+    place = (dict(os.environ), os.getcwd(), target)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=target, args=(r, world_size, init_file, *args)) for r in range(world_size)]
+        procs = [ctx.Process(target=_in_place, args=(*place, r, world_size, init_file, *args)) for r in range(world_size)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -213,6 +218,14 @@ def spawn_ranks(target: Any, world_size: int, args: tuple[Any, ...], timeout: fl
                 if p.is_alive():
                     p.kill()
                 p.join()
+
+
+def _in_place(env: dict[str, str], cwd: str, target: Any, *args: Any) -> None:
+    """``target(*args)`` in the caller's environment and folder (a forked rank of ``spawn_ranks``)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
 
 
 def dirs(base: Path) -> list[str]:
