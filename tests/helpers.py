@@ -202,7 +202,9 @@ def spawn_ranks(target: Any, world_size: int, args: tuple[Any, ...], timeout: fl
     place = (dict(os.environ), os.getcwd(), target)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(Path(tmp) / "store")
-        procs = [ctx.Process(target=_in_place, args=(*place, r, world_size, init_file, *args)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_in_place, args=(*place, r, world_size, init_file, *args)) for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
