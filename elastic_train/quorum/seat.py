@@ -475,12 +475,7 @@ class Seat:
                 self._index_first_sent = now()  # no earlier than this call's first send
             first = self._index_first_sent
         try:
-            sent, made = self._members.keep_sending(
-                lambda c: c.refresh(key, ttl=ttl, prevIndex=index),
-                clock=now,
-                give_up=self._lease_over,
-                every_s=self.config.resend_s,
-            )
+            sent, made = self._while_held(lambda c: c.refresh(key, ttl=ttl, prevIndex=index))
         except etcd.EtcdKeyNotFound:
             self._lose("the lease expired before a refresh reached etcd")
             return False
@@ -493,8 +488,15 @@ class Seat:
             self._delete_own(int(made.modifiedIndex), term)
         return False
 
-    def _lease_over(self) -> bool:
-        return self._stop.is_set() or now() >= self.lease_end()
+    def _while_held(self, request: Callable[[Any], Any]) -> tuple[float, Any]:
+        """``request`` to every member, resent every ``resend_s`` until one answers, this agent
+        stops, or the fence passes (``Members.keep_sending``)."""
+        return self._members.keep_sending(
+            request,
+            clock=now,
+            give_up=lambda: self._stop.is_set() or now() >= self.lease_end(),
+            every_s=self.config.resend_s,
+        )
 
     def _settle(self, index: int, first: float, generation: int) -> bool:
         """A refresh comparing ``index`` failed its compare: the key moved on since this agent
@@ -508,14 +510,9 @@ class Seat:
 
         key = self.config.key
         try:
-            _, found = self._members.keep_sending(
-                lambda c: c.read(key, quorum=True),
-                clock=now,
-                give_up=self._lease_over,
-                every_s=self.config.resend_s,
-            )
+            _, found = self._while_held(lambda c: c.read(key, quorum=True))
         except etcd.EtcdKeyNotFound:
-            self._lose("the lease expired before a refresh reached etcd")
+            self._lose("the key expired before a refresh reached etcd")
             return False
         except _errors() as exc:  # unread before the fence: the next tick may take the seat again
             self._report(exc)
