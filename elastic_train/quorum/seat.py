@@ -244,8 +244,8 @@ class Members:
         has answered, the earlier sends still waiting, until ``give_up()``. Returns when the
         send that was answered left (``clock()``) and its result; raises etcd's answer about
         the key at once, and the last error when nothing was answered before ``give_up()``.
-        Only for a request of which etcd applies at most one copy: the seat's refresh, which
-        compares the key's index.
+        Only for a request that may be applied any number of times (a quorum read) or of which
+        etcd applies at most one copy (the seat's refresh, which compares the key's index).
 
         Why not one round after another (``hedged`` again): a request sent during an etcd
         election is not answered when the election ends, it waits out its read timeout, so
