@@ -186,7 +186,8 @@ def events(log_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
 
 
 def spawn_ranks(target: Any, world_size: int, args: tuple[Any, ...], timeout: float) -> None:
-    """Run ``target(rank, world_size, init_file, *args)`` in ``world_size`` spawned processes.
+    """Run ``target(rank, world_size, init_file, *args)`` in ``world_size`` new processes (forked
+    from a forkserver, below).
 
     Fails if any exits non-zero or the group is still running after ``timeout`` (then all are
     killed). ``target`` must be importable (a module-level function).
