@@ -7,15 +7,18 @@ too; they are re-exported here so that a test imports its helpers from one place
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ from elastic_train.testing.processes import (
     group_alive,
     kill_group,
     kill_tagged,
+    no_core_dumps,
     pid_alive,
     read_jsonl,
     run,
@@ -49,6 +53,7 @@ __all__ = [
     "assert_bitwise_equal",
     "base_env",
     "cli",
+    "cli_process",
     "dirs",
     "epoch_metrics",
     "events",
@@ -62,6 +67,7 @@ __all__ = [
     "ranks",
     "read_jsonl",
     "run",
+    "run_ranks",
     "shared_once",
     "spawn_ranks",
     "state_summary",
@@ -108,7 +114,152 @@ def flags(**values: object) -> list[str]:
 
 
 def cli(args: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None = None) -> Finished:
+    """``python -m elastic_train ARGS`` run to its end in a process of its own, as a real
+    subprocess would be (its own session, environment, folder and exit code; unbuffered output;
+    its threads joined and its exit handlers run), but forked from a server that imported torch
+    once per pytest worker (``_forkserver``): a fresh interpreter spent ~3 s of CPU importing
+    torch and the ``torch._dynamo`` an optimizer's construction loads, most of a small run's cost
+    on a 2-core machine. What only a fresh interpreter shows (the ``__main__`` module, a Ctrl-C
+    during start-up) is tested with ``cli_process``."""
+    (done,) = _forked_runs([base_env(env)], args, timeout)
+    return done
+
+
+def run_ranks(
+    world_size: int, args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None
+) -> list[Finished]:
+    """``ranks``'s processes (the environment torchrun would set, no agent) run to their end,
+    forked as ``cli``'s are; by rank."""
+    port = free_port()  # one store for the group
+    envs = [base_env({**_rank_env(rank, world_size, port), **(env or {})}) for rank in range(world_size)]
+    return _forked_runs(envs, args, timeout)
+
+
+@dataclass
+class _Forked:
+    proc: Any
+    env: dict[str, str]
+    out: Path
+    err: Path
+
+    def output(self) -> tuple[str, str]:
+        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+
+def _forked_runs(envs: Sequence[dict[str, str]], args: Sequence[str], timeout: float) -> list[Finished]:
+    """One forked ``python -m elastic_train ARGS`` per environment in ``envs``, all at once, each
+    to its end; fails when any is still running after ``timeout`` (then all are ended)."""
+    start = time.monotonic()
+    argv = [sys.executable, "-m", "elastic_train", *args]
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = []
+        for i, env in enumerate(envs):
+            out, err = Path(tmp) / f"{i}.stdout", Path(tmp) / f"{i}.stderr"
+            proc = _forkserver().Process(target=_cli_child, args=(env, str(ROOT), list(args), str(out), str(err)))
+            runs.append(_Forked(proc, env, out, err))
+            proc.start()
+        leftovers = [False] * len(runs)
+        try:
+            deadline = start + timeout
+            for run_ in runs:
+                run_.proc.join(max(0.1, deadline - time.monotonic()))
+            alive = [run_ for run_ in runs if run_.proc.is_alive()]
+            if alive:
+                # The trainer enabled faulthandler: SIGABRT prints every thread's stack to stderr.
+                for run_ in alive:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(run_.proc.pid, signal.SIGABRT)
+                for run_ in alive:
+                    run_.proc.join(3.0)
+                told = "\n".join(f"--- stdout\n{o}\n--- stderr\n{e}" for o, e in (r.output() for r in runs))
+                sessions = ", ".join(str(r.proc.pid) for r in alive)
+                raise AssertionError(
+                    f"{len(alive)} of {len(runs)} still running after {timeout}s: {' '.join(argv)} (sessions "
+                    f"{sessions}, ended)\n(SIGABRT sent first: their Python stacks are in stderr)\n{told}"
+                )
+        finally:
+            # What each started (DataLoader workers: its session; anything with its environment)
+            # must not outlive it, as with ``run``.
+            for i, run_ in enumerate(runs):
+                token = run_.env[TOKEN_VAR]
+                leftovers[i] = group_alive(run_.proc.pid) or bool(tagged(token))
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(run_.proc.pid, signal.SIGKILL)
+                kill_tagged(token)
+                run_.proc.kill()
+                run_.proc.join()
+        seconds = time.monotonic() - start
+        return [
+            Finished(argv, r.proc.exitcode, *r.output(), seconds, gone) for r, gone in zip(runs, leftovers, strict=True)
+        ]
+
+
+def cli_process(args: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None = None) -> Finished:
+    """``python -m elastic_train ARGS`` in a fresh interpreter (``cli`` forks a warm one)."""
     return run([sys.executable, "-m", "elastic_train", *args], timeout, env)
+
+
+def _forkserver() -> Any:
+    """This process's forkserver, started (on first use) with torch, its distributed package and
+    ``torch._dynamo`` imported (and this module, with what it imports of elastic_train: no module
+    of the package reads the environment when imported, so a child that takes its environment
+    after the fork sees what a fresh interpreter would)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    # tests.helpers: the module of the children's targets (each child would import it anyway).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "tests.helpers"])
+    return ctx
+
+
+def _cli_child(env: dict[str, str], cwd: str, args: list[str], out: str, err: str) -> None:
+    """``cli``'s child: a session of its own, the caller's environment and folder, its output
+    unbuffered into ``out`` and ``err``; exits as the interpreter would after ``sys.exit(main())``."""
+    import atexit
+    import io
+    import multiprocessing
+    import threading
+    import traceback
+
+    # A forkserver's child inherits "forkserver" as its start method; a fresh interpreter has
+    # the platform's default (the trainer's DataLoader workers are forked from it, as in a run).
+    multiprocessing.set_start_method(None, force=True)
+    os.setsid()
+    no_core_dumps()
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    # PYTHONUNBUFFERED=1, as base_env asks of a fresh interpreter: a SIGKILLed run keeps its lines.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True, errors="backslashreplace"
+    )
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    # A fresh ``python -m`` puts its folder and then PYTHONPATH's at the head of sys.path (a
+    # plug-in task in a test's folder is imported from there).
+    sys.path[:0] = [cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    sys.argv = [str(ROOT / "elastic_train" / "__main__.py"), *args]
+    code: int = 1
+    try:
+        from elastic_train.cli import main
+
+        code = main(args)
+    except SystemExit as exc:  # the interpreter's rule: None is 0, a number itself, anything else printed and 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # what the interpreter would print before exiting 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter joins non-daemon threads first
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def elastic_torchrun(rdzv_id: str) -> list[str]:
@@ -140,15 +291,7 @@ def ranks(
     procs = []
     try:
         for rank in range(world_size):
-            rank_env = {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                **(env or {}),
-            }
+            rank_env = {**_rank_env(rank, world_size, port), **(env or {})}
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "elastic_train", *args],
@@ -165,6 +308,18 @@ def ranks(
         for proc in procs:
             kill_group(proc)
             proc.wait()
+
+
+def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun sets for rank ``rank`` of one node, its store at ``port`` on loopback."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def wait_all(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[Finished]:
@@ -192,14 +347,10 @@ def spawn_ranks(target: Any, world_size: int, args: tuple[Any, ...], timeout: fl
     Fails if any exits non-zero or the group is still running after ``timeout`` (then all are
     killed). ``target`` must be importable (a module-level function).
     """
-    import multiprocessing
-    import tempfile
-
     # Forked from a server that imported torch once (per pytest worker), not spawned: a spawned
     # rank spent ~2.5 s of CPU importing torch, most of a small test's cost on a 2-core machine.
     # The server's environment and folder are its start's, so each rank takes this call's.
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", target.__module__])
+    ctx = _forkserver()
     place = (dict(os.environ), os.getcwd(), target)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(Path(tmp) / "store")

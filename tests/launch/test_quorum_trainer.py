@@ -237,12 +237,17 @@ def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every
             assert first["world"] in (1, 2) and first["seconds_since_commit"] < 3.0, first
         assert not events(job, victim, "resumed", at), "a restarted replica must heal from a peer, not a checkpoint"
     # A survivor whose gradient average failed keeps its share's gradients and trains only the rest.
+    # No average fails when the kill falls between two of its attempts and the Lighthouse drops the
+    # dead worker before the next one (a fresh-clone run met this for both kills): then there is
+    # nothing to salvage.
+    failed = [e for victim, at in kills for e in events(job, 1 - victim, "gradient_average_failed", at)]
     salvaged = [e for victim, at in kills for e in events(job, 1 - victim, "salvaged", at)]
+    assert salvaged or not failed, failed
     # It kept its old share (half the batch) and trains the rest of its new one: the whole batch
     # alone, or its same half when the replacement was back in the redo's quorum.
-    assert salvaged and all(
-        e["kept"] == BATCH // 2 and e["kept"] + e["computing"] in (BATCH // 2, BATCH) for e in salvaged
-    ), salvaged
+    assert all(e["kept"] == BATCH // 2 and e["kept"] + e["computing"] in (BATCH // 2, BATCH) for e in salvaged), (
+        salvaged
+    )
     diff = max_abs_diff(final_state(job.base), final_state(fault_free))
     assert diff < 1e-5, f"weights differ from the fault-free run by {diff}"
     assert [r["val_acc"] for r in history] == pytest.approx(

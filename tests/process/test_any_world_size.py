@@ -19,7 +19,8 @@ from elastic_train.checkpoint.format import step_dir_name
 from elastic_train.metrics import MetricSums, index_digest
 from elastic_train.models import build_model
 from elastic_train.trainer import seed_everything
-from tests.helpers import cli, dirs, final_state, flags, ranks, read_jsonl, spawn_ranks, wait_all
+from tests.helpers import cli, dirs, final_state, flags, read_jsonl, spawn_ranks
+from tests.helpers import run_ranks as run_rank_processes
 
 pytestmark = pytest.mark.timeout(300)
 # SGD without weight decay: the update is proportional to the gradient, so a mis-weighted loss
@@ -36,8 +37,7 @@ SEED = 42  # the trainer's default --seed: initial weights
 
 def run_ranks(world: int, base: Path, env: dict[str, str] | None = None) -> list[int]:
     """``world`` rank processes of one run; returns their exit codes (rank 0's output on failure)."""
-    with ranks(world, [*RUN, *dirs(base)], env=env) as procs:
-        results = wait_all(procs, timeout=200)
+    results = run_rank_processes(world, [*RUN, *dirs(base)], timeout=200, env=env)
     (base / "rank0.out").write_text(results[0].stdout)
     return [r.returncode for r in results]
 

@@ -38,9 +38,8 @@ from tests.helpers import (
     epoch_metrics,
     events,
     final_state,
-    ranks,
     read_jsonl,
-    wait_all,
+    run_ranks,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -232,8 +231,7 @@ def test_growing_from_one_to_two_processes_mid_epoch_keeps_exact_samples_and_the
     saved = read_manifest(latest_target(tmp_path / "ckpt") or tmp_path)
     assert (saved.world_size, saved.epoch, saved.batch_in_epoch) == (1, 2, 2), "stopped mid-epoch 3"
     assert saved.payload.app["early_stop"]["epochs_without_improvement"] == 1
-    with ranks(2, flags) as procs:
-        results = wait_all(procs, timeout=180)
+    results = run_ranks(2, flags, timeout=180)
     assert [r.returncode for r in results] == [0, 0], results[0].output[-3000:] + results[1].output[-3000:]
     assert "Early stopping at epoch 3" in results[0].stdout
     final = read_manifest(latest_target(tmp_path / "ckpt") or tmp_path)

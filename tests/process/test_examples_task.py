@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import flags, ranks, read_jsonl, state_hash, wait_all
+from tests.helpers import flags, read_jsonl, run_ranks, state_hash
 
 TASK = [
     "--task",
@@ -24,8 +24,7 @@ TASK = [
 
 def _run(base: Path, env: dict[str, str] | None = None, world_size: int = 2) -> list[int]:
     args = [*TASK, *flags(log_dir=base / "logs", checkpoint_dir=base / "ckpt")]
-    with ranks(world_size, args, env) as procs:
-        done = wait_all(procs, timeout=150)
+    done = run_ranks(world_size, args, timeout=150, env=env)
     return [d.returncode for d in done]
 
 
@@ -71,7 +70,6 @@ def test_a_plug_in_task_continues_at_another_world_size_with_every_sample_once(c
 @pytest.mark.timeout(200)
 def test_a_checkpoint_of_a_task_is_refused_by_a_run_of_another_task(clean: Path, tmp_path: Path) -> None:
     args = [*flags(epochs=3, batch_size=16, max_steps_per_epoch=2, log_dir=tmp_path / "logs")]
-    with ranks(1, [*args, *flags(checkpoint_dir=clean / "ckpt")]) as procs:
-        (done,) = wait_all(procs, timeout=120)
+    (done,) = run_ranks(1, [*args, *flags(checkpoint_dir=clean / "ckpt")], timeout=120)
     assert done.returncode == 2, done.output
     assert "task.name: checkpoint 'char-lm', this run None" in done.stderr

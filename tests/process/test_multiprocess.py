@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastic_train.early_stop import EarlyStopper
-from tests.helpers import QUICK, VAL, cli, events, group_alive, ranks, read_jsonl, wait_all
+from tests.helpers import QUICK, VAL, cli, events, read_jsonl, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -21,10 +21,9 @@ pytestmark = pytest.mark.timeout(240)
 def test_two_rank_metrics_equal_the_single_process_computation(tmp_path: Path) -> None:
     one = cli([*QUICK, "--log-dir", str(tmp_path / "w1"), "--checkpoint-dir", str(tmp_path / "w1" / "ckpt")])
     assert one.returncode == 0, one.output
-    with ranks(
-        2, [*QUICK, "--log-dir", str(tmp_path / "w2"), "--checkpoint-dir", str(tmp_path / "w2" / "ckpt")]
-    ) as procs:
-        results = wait_all(procs, timeout=150)
+    results = run_ranks(
+        2, [*QUICK, "--log-dir", str(tmp_path / "w2"), "--checkpoint-dir", str(tmp_path / "w2" / "ckpt")], timeout=150
+    )
     assert [r.returncode for r in results] == [0, 0], results[0].output + results[1].output
     single = read_jsonl(tmp_path / "w1" / "metrics.jsonl")
     double = read_jsonl(tmp_path / "w2" / "metrics.jsonl")
@@ -59,8 +58,7 @@ def test_early_stop_on_target_makes_every_rank_leave_in_the_same_epoch(tmp_path:
         str(tmp_path / "ckpt"),
         *VAL,
     ]
-    with ranks(2, args) as procs:
-        results = wait_all(procs, timeout=150)
+    results = run_ranks(2, args, timeout=150)
     assert [r.returncode for r in results] == [0, 0]
     assert "Early stopping at epoch 1: val_acc" in results[0].stdout
     assert [events(tmp_path, r, "done")[0]["epochs"] for r in (0, 1)] == [1, 1]
@@ -87,8 +85,7 @@ def test_early_stop_on_patience_makes_every_rank_leave_in_the_same_epoch(tmp_pat
         str(tmp_path / "ckpt"),
         *VAL,
     ]
-    with ranks(2, args) as procs:
-        results = wait_all(procs, timeout=150)
+    results = run_ranks(2, args, timeout=150)
     assert [r.returncode for r in results] == [0, 0]
     accuracies = [m["val_acc"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
     stopper = EarlyStopper(target_accuracy=1.0, patience=1)
@@ -112,9 +109,8 @@ def test_an_exception_on_one_rank_tears_the_group_down_with_no_orphan(tmp_path: 
         "--checkpoint-dir",
         str(tmp_path / "ckpt"),
     ]
-    with ranks(2, args, env={"ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=2"}) as procs:
-        results = wait_all(procs, timeout=90)
-        assert not any(group_alive(p.pid) for p in procs), "a rank process outlived the failure"
+    results = run_ranks(2, args, timeout=90, env={"ELASTIC_TRAIN_FAULTS": "raise:rank=1:step=2"})
+    assert not any(r.leftovers for r in results), "a rank process outlived the failure"
     assert results[1].returncode not in (0, 2)
     assert "InjectedFault: injected fault: raise at step 2" in results[1].stderr
     assert results[0].returncode not in (0, 2), "rank 0 went on as if nothing happened"
@@ -122,10 +118,9 @@ def test_an_exception_on_one_rank_tears_the_group_down_with_no_orphan(tmp_path: 
 
 
 def test_bad_world_size_fit_exits_2_on_every_rank_with_one_message(tmp_path: Path) -> None:
-    with ranks(
-        2, ["--batch-size", "1", "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")]
-    ) as procs:
-        results = wait_all(procs, timeout=60)
+    results = run_ranks(
+        2, ["--batch-size", "1", "--log-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")], timeout=60
+    )
     assert [r.returncode for r in results] == [2, 2]
     assert "global --batch-size 1 is smaller than the world size 2" in results[0].stderr
     assert results[1].stderr == "", "the message is printed once, by rank 0"
@@ -146,8 +141,7 @@ def test_corrupt_data_on_rank_0_makes_every_rank_exit_2_without_a_hang(tmp_path:
         "--checkpoint-dir",
         str(tmp_path / "logs" / "ckpt"),
     ]
-    with ranks(2, args) as procs:
-        results = wait_all(procs, timeout=60)
+    results = run_ranks(2, args, timeout=60)
     assert [r.returncode for r in results] == [2, 2]
     assert "tiny-imagenet-200.zip is corrupt" in results[0].stderr
     assert not (tmp_path / "logs").exists()

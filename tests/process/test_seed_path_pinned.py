@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SEED_EPOCH_LINE, Summary, cli, flags, ranks, state_summary, summary_drift, wait_all
+from tests.helpers import SEED_EPOCH_LINE, Summary, cli, flags, run_ranks, state_summary, summary_drift
 
 # Generous: the resnet run took 167 s on a loaded 2-core machine (about 75 s when quiet).
 pytestmark = pytest.mark.timeout(420)
@@ -88,8 +88,7 @@ def _check_pinned(case: str, got: Summary) -> None:
 
 def test_two_rank_vit_adamw_final_weights_are_pinned(tmp_path: Path) -> None:
     args = [*SHORT, *flags(model="vit", optimizer="adamw", log_dir=tmp_path / "logs", checkpoint_dir=tmp_path / "c")]
-    with ranks(2, args) as procs:
-        done = wait_all(procs, timeout=360)
+    done = run_ranks(2, args, timeout=360)
     assert all(d.returncode == 0 for d in done), [d.output for d in done]
     _check_lines(done[0].stdout, 2)
     _check_pinned("vit-adamw-2-ranks", state_summary(tmp_path / "c"))
