@@ -301,12 +301,7 @@ def check_fsdp(where: Where) -> tuple[bool, str]:
     ok, detail = check_kill_resume(where, fsdp)
     if not ok:
         return False, f"kill + resume: {detail}"
-    if where.processes > 1:
-        processes, device, resume_flags = 1, where.device, fsdp
-        label = f"resumed by 1 process ({where.processes} -> 1 pieces)"
-    else:  # on the CPU in fp32: the precision is not fingerprinted
-        processes, device, resume_flags = 2, "cpu", ["--parallel", "fsdp"]
-        label = f"resumed by 2 CPU processes (1 -> 2 pieces, {where.device} -> cpu)"
+    processes, device, resume_flags, label = fsdp_resume_plan(where, fsdp)
     base = where.work / "killed"
     steps = "4" if where.quick else "8"
     args = [*resume_flags, "--epochs", "3", "--max-steps-per-epoch", steps, "--target-accuracy", "1.0"]
@@ -320,6 +315,15 @@ def check_fsdp(where: Where) -> tuple[bool, str]:
     if more.returncode or not resumed or f"started with {processes} processes" not in more.stdout:
         return False, f"not {label}: {_tail(more)}"
     return True, f"{detail}; {label} to epoch 3"
+
+
+def fsdp_resume_plan(where: Where, fsdp: list[str]) -> tuple[int, str, list[str], str]:
+    """Who extends ``check_fsdp``'s finished run: (processes, device, flags, the row's words).
+    From two GPUs, one process on the GPU; from one, two CPU processes (in fp32: the precision
+    is not fingerprinted)."""
+    if where.processes > 1:
+        return 1, where.device, fsdp, f"resumed by 1 process ({where.processes} -> 1 pieces)"
+    return 2, "cpu", ["--parallel", "fsdp"], f"resumed by 2 CPU processes (1 -> 2 pieces, {where.device} -> cpu)"
 
 
 def _throughputs(lines: str) -> list[float]:

@@ -66,6 +66,7 @@ __all__ = [
     "pid_alive",
     "ranks",
     "read_jsonl",
+    "resume_run_at_2",
     "run",
     "run_ranks",
     "shared_once",
@@ -465,6 +466,18 @@ def shared_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None])
             return folder
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def resume_run_at_2(tmp_path_factory: Any) -> Path:
+    """``RESUME_RUN`` through under ``torchrun --standalone --nproc_per_node=2``, once a session:
+    the uninterrupted run that the kill-and-resume tests of torchrun and the warm launcher
+    compare with (how the agent shares its store does not change what the workers compute)."""
+
+    def build(base: Path) -> None:
+        done = torchrun(["--standalone", "--nproc_per_node=2"], [*RESUME_RUN, *dirs(base)])
+        assert done.returncode == 0, done.output
+
+    return shared_once(tmp_path_factory, "resume-run-at-2", build)
 
 
 # A compact, portable summary of trained weights (tests/process/test_seed_path_pinned.py): per

@@ -28,8 +28,8 @@ from tests.helpers import (
     kill_group,
     kill_tagged,
     read_jsonl,
+    resume_run_at_2,
     run,
-    torchrun,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,10 +42,10 @@ def warm(launch_args: list[str], args: list[str], env: dict[str, str] | None = N
     return run(cmd, 240, {**AGENT_ENV, **(env or {})})
 
 
-def test_a_killed_worker_is_forked_again_warm_and_ends_bitwise_equal(tmp_path: Path) -> None:
-    reference = tmp_path / "reference"
-    done = torchrun(STANDALONE_2, [*RESUME_RUN, *dirs(reference)], env=AGENT_ENV)
-    assert done.returncode == 0, done.output
+def test_a_killed_worker_is_forked_again_warm_and_ends_bitwise_equal(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    reference = resume_run_at_2(tmp_path_factory)  # torchrun's, shared with test_checkpoint_torchrun.py
     ours = tmp_path / "warm"
     done = warm(
         [*STANDALONE_2, "--max-restarts=1"], [*RESUME_RUN, *dirs(ours)], {"ELASTIC_TRAIN_FAULTS": "kill:rank=1:step=8"}

@@ -132,3 +132,14 @@ def test_the_json_file_it_writes_is_what_make_bench_renders_into_the_docs(
     # The file kept in benchmarks/results renders too (it was written by hand from a GPU run).
     kept = json.loads((Path(suite.ROOT) / "benchmarks" / "results" / "gpu_check.json").read_text())
     assert "| kill-resume | pass |" in suite.gpu_table(kept)
+
+
+def test_a_finished_fsdp_run_is_extended_by_the_other_shape(tmp_path: Path) -> None:
+    """check_fsdp's reshard: a two-GPU run's checkpoint by one GPU process, a one-GPU run's by
+    two CPU processes under gloo (the smoke test runs only the first: its CPU run is the costly
+    part of ``make test``'s gpu-check test)."""
+    bf16 = ["--parallel", "fsdp", "--amp", "--amp-dtype", "bf16"]
+    two = gpu_check.fsdp_resume_plan(Where("cuda", 2, tmp_path, quick=False), bf16)
+    assert two == (1, "cuda", bf16, "resumed by 1 process (2 -> 1 pieces)")
+    one = gpu_check.fsdp_resume_plan(Where("cuda", 1, tmp_path, quick=False), bf16)
+    assert one == (2, "cpu", ["--parallel", "fsdp"], "resumed by 2 CPU processes (1 -> 2 pieces, cuda -> cpu)")
