@@ -158,9 +158,10 @@ def _forked_runs(envs: Sequence[dict[str, str]], args: Sequence[str], timeout: f
             out, err = Path(tmp) / f"{i}.stdout", Path(tmp) / f"{i}.stderr"
             proc = _forkserver().Process(target=_cli_child, args=(env, str(ROOT), list(args), str(out), str(err)))
             runs.append(_Forked(proc, env, out, err))
-            proc.start()
         leftovers = [False] * len(runs)
         try:
+            for run_ in runs:
+                run_.proc.start()
             deadline = start + timeout
             for run_ in runs:
                 run_.proc.join(max(0.1, deadline - time.monotonic()))
@@ -182,6 +183,8 @@ def _forked_runs(envs: Sequence[dict[str, str]], args: Sequence[str], timeout: f
             # What each started (DataLoader workers: its session; anything with its environment)
             # must not outlive it, as with ``run``.
             for i, run_ in enumerate(runs):
+                if run_.proc.pid is None:  # never started (a start before it failed)
+                    continue
                 token = run_.env[TOKEN_VAR]
                 leftovers[i] = group_alive(run_.proc.pid) or bool(tagged(token))
                 with contextlib.suppress(ProcessLookupError):

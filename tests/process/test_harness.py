@@ -61,7 +61,7 @@ def _in_session(sid: int) -> list[int]:
 def test_a_forked_trainer_run_ends_as_a_fresh_interpreters_does(tmp_path: Path) -> None:
     """``tests.helpers.cli`` forks the trainer from a server that imported torch (most process
     tests run it so): its exit code and output must be a fresh ``python -m elastic_train``'s,
-    for a run killed mid-way (the lines before the kill kept: unbuffered), bad input, and a hang
+    for a run killed mid-way (its exit code, the lines printed before the kill), bad input, and a hang
     (the stack shown, nothing left behind, its DataLoader worker included)."""
     run_ = [*QUICK, "--num-workers", "1"]
     for name, launch in (("forked", cli), ("fresh", cli_process)):
