@@ -121,7 +121,7 @@ def cli(args: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None
     once per pytest worker (``_forkserver``): a fresh interpreter spent ~3 s of CPU importing
     torch and the ``torch._dynamo`` an optimizer's construction loads, most of a small run's cost
     on a 2-core machine. What only a fresh interpreter shows (the ``__main__`` module, a Ctrl-C
-    during start-up) is tested with ``cli_process``."""
+    during start-up) needs ``cli_process`` or a real ``Popen``, as the signal tests use."""
     (done,) = _forked_runs([base_env(env)], args, timeout)
     return done
 
