@@ -221,13 +221,9 @@ def _cli_child(env: dict[str, str], cwd: str, args: list[str], out: str, err: st
     unbuffered into ``out`` and ``err``; exits as the interpreter would after ``sys.exit(main())``."""
     import atexit
     import io
-    import multiprocessing
     import threading
     import traceback
 
-    # A forkserver's child inherits "forkserver" as its start method; a fresh interpreter has
-    # the platform's default (the trainer's DataLoader workers are forked from it, as in a run).
-    multiprocessing.set_start_method(None, force=True)
     os.setsid()
     no_core_dumps()
     for fd, path in ((1, out), (2, err)):
@@ -239,9 +235,7 @@ def _cli_child(env: dict[str, str], cwd: str, args: list[str], out: str, err: st
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True, errors="backslashreplace"
     )
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
+    _take_place(env, cwd)
     # A fresh ``python -m`` puts its folder and then PYTHONPATH's at the head of sys.path (a
     # plug-in task in a test's folder is imported from there).
     sys.path[:0] = [cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
@@ -380,10 +374,21 @@ def spawn_ranks(target: Any, world_size: int, args: tuple[Any, ...], timeout: fl
 
 def _in_place(env: dict[str, str], cwd: str, target: Any, *args: Any) -> None:
     """``target(*args)`` in the caller's environment and folder (a forked rank of ``spawn_ranks``)."""
+    _take_place(env, cwd)
+    target(*args)
+
+
+def _take_place(env: dict[str, str], cwd: str) -> None:
+    """In a child of ``_forkserver``: the caller's environment and folder (the server's are those
+    of its own start), and the platform's start method, as a process the caller started would
+    have (a forkserver's child inherits "forkserver": the trainer's DataLoader workers would come
+    from a server of their own instead of being forked from it)."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    target(*args)
 
 
 def dirs(base: Path) -> list[str]:
