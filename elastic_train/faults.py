@@ -20,6 +20,10 @@ Grammar: faults separated by ``,``; each is ``KIND:rank=R:step=S[:key=value...][
   by the line record (quorum mode with ``--lighthouse-etcd``; it claims as one of the attempt's
   first participants): the record's head is then a step nobody applied, which the next quorum
   must void (``quorum.line``).
+* ``kill_before_average``: SIGKILL this process in quorum mode's training step S after the
+  attempt's first collective (the sums and positions) succeeded, right before its gradient
+  average: its peers are then inside the one collective a survivor's work can be kept from
+  (``salvaged`` in its log), deterministically rather than by the timing of an outside kill.
 * ``load_error``: reading the checkpoint of step S fails with EIO in this process (quorum
   mode's start of a line: one replica's storage hiccup).
 * ``kill_in_save`` (``:stage=before_shard|after_shard|after_manifest``) / ``enospc``: fired by
@@ -54,7 +58,8 @@ SAVE_KINDS = ("kill_in_save", "enospc", "slow_save")
 LOAD_KINDS = ("load_error",)
 LINK_KINDS = ("slow_link",)
 LINE_KINDS = ("kill_after_claim",)
-KINDS = STEP_KINDS + SAVE_KINDS + LOAD_KINDS + LINK_KINDS + LINE_KINDS
+AVERAGE_KINDS = ("kill_before_average",)
+KINDS = STEP_KINDS + SAVE_KINDS + LOAD_KINDS + LINK_KINDS + LINE_KINDS + AVERAGE_KINDS
 HINT = f"write e.g. {ENV_VAR}='kill:rank=1:step=7,raise:rank=0:step=3:always'"
 
 log = structlog.get_logger(__name__)

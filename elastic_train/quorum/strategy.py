@@ -678,6 +678,8 @@ class QuorumStrategy:
         step = self.loop.state.step
         if self.faults is not None:  # a slow link on this replica: its peers wait in the average
             time.sleep(self.faults.link_delay(self.gradient_bytes, step + 1))
+            if self.faults.fires("kill_before_average", step + 1):  # the peers' average then fails
+                os.kill(os.getpid(), signal.SIGKILL)
         began = time.perf_counter()
         if not self._average_across_groups(bound):
             after = time.perf_counter() - began

@@ -20,7 +20,6 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 
 from elastic_train.checkpoint.manager import load
 from elastic_train.data.sampler import global_batches
+from elastic_train.faults import ENV_VAR as FAULTS
 from elastic_train.metrics import format_digest, index_digest
 from elastic_train.outcome import ExitCode
 from tests.helpers import (
@@ -55,6 +55,7 @@ RUN = [
     "--max-val-samples", "64",
 ]  # fmt: skip
 TOTAL = EPOCHS * STEPS
+SALVAGED = 25  # the soak's placed kill: the step whose gradient average fails (mid epoch 1)
 WORKER = re.compile(r"replica group (\d+): worker pid (\d+) \(restart (\d+)\)")
 LIGHTHOUSE = re.compile(r"Lighthouse at \S+ \(pid (\d+)\)")
 EXITED = re.compile(r"replica group (\d+): worker exited with (-?\d+); restarting")
@@ -194,17 +195,21 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every_sample_exactly_once(
     job: Job, fault_free: Path
 ) -> None:
+    # The first kill is placed: replica 1 SIGKILLs itself in step SALVAGED, after the attempt's first
+    # collective succeeded and right before its gradient average, so replica 0's average fails for
+    # sure (an outside kill lands there only by chance) and its work must be salvaged.
+    job.env[FAULTS] = f"kill_before_average:rank=1:step={SALVAGED}"
     node = job.start("--nproc-per-node", "2", "--max-restarts", "3")
-    job.until("both replicas training", lambda: job.committed_steps(0) >= 12 and job.committed_steps(1) >= 12)
-    kills: list[tuple[int, float]] = []
-    for victim in (1, 0):  # group 0 is participant 0: it prints and saves
-        steps = partial(job.committed_steps, 1 - victim)
-        reached = steps()
-        job.until("progress", lambda: steps() >= reached + 8)  # noqa: B023 (called within this iteration)
-        kills.append((victim, time.time()))
-        os.kill(node.pid(victim), signal.SIGKILL)
-        healed = partial(events, job, victim, "healed", kills[-1][1])
-        job.until(f"replica {victim} healed", lambda: bool(healed()))  # noqa: B023
+    job.until("replica 1's injected kill", lambda: bool(events(job, 1, "fault_injected")))
+    placed = _time(events(job, 1, "fault_injected")[0])
+    kills: list[tuple[int, float]] = [(1, placed)]
+    job.until("replica 1 healed", lambda: bool(events(job, 1, "healed", placed)))
+    # The second, from outside at whatever point replica 0 is (it is participant 0: it prints and saves).
+    reached = job.committed_steps(1)
+    job.until("progress", lambda: job.committed_steps(1) >= reached + 8)
+    kills.append((0, time.time()))
+    os.kill(node.pid(0), signal.SIGKILL)
+    job.until("replica 0 healed", lambda: bool(events(job, 0, "healed", kills[-1][1])))
     # The Lighthouse dies too: its agent starts it again on its port, and the replicas' quorum
     # requests go to the new one (torchft's quorum retries); no worker restarts for it.
     reached = job.committed_steps(0)
@@ -243,6 +248,9 @@ def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every
     failed = [e for victim, at in kills for e in events(job, 1 - victim, "gradient_average_failed", at)]
     salvaged = [e for victim, at in kills for e in events(job, 1 - victim, "salvaged", at)]
     assert salvaged or not failed, failed
+    # The placed kill: replica 0's average of that step failed and the step's redo kept its work.
+    # (The fault counts steps from 1, the schedule's shares from 0.)
+    assert any(e["step"] == SALVAGED - 1 for e in events(job, 0, "salvaged", placed)), events(job, 0, "salvaged")
     # It kept its old share (half the batch) and trains the rest of its new one: the whole batch
     # alone, or its same half when the replacement was back in the redo's quorum.
     assert all(e["kept"] == BATCH // 2 and e["kept"] + e["computing"] in (BATCH // 2, BATCH) for e in salvaged), (
