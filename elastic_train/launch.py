@@ -36,6 +36,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 # Imported by the forkserver once; a forked worker finds them in memory.
 PRELOAD = ["torch", "torchvision", "elastic_train.run", "elastic_train.models", "elastic_train.data"]
@@ -52,6 +53,49 @@ def worker(*argv: str) -> None:
     code = main(list(argv))
     if code:
         sys.exit(code)  # torch's wrapper re-raises a non-zero SystemExit: the process exits with it
+    queue = _return_queue()
+    if queue is not None:
+        _hand_in_and_exit(queue)
+
+
+def _return_queue() -> Any:
+    """The queue torch's ``_wrap`` (the function its multiprocessing context runs in each worker)
+    puts this worker's return value on, found on the stack; None when not called from it."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is api._wrap.__code__:
+            return frame.f_locals.get("ret_val_")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _hand_in_and_exit(queue: Any) -> NoReturn:
+    """Give torch's agent this worker's return value and exit without waiting for the agent.
+
+    After the entry point returns, ``_wrap`` puts its value on ``queue`` and waits on an Event
+    until the agent has read every worker's. The agent's ``Event.set()`` waits in turn until every
+    waiting worker has woken, so a worker SIGKILLed in that wait (an OOM kill, an operator; the
+    goodput soak's last kill on Dec 7, just as the run finished) leaves the agent blocked in
+    ``set()`` forever, past its workers' exit (torch's own comment on ``_worker_finished_event``
+    says so). Nothing needs the wait here: the value is None, written at once (a ``SimpleQueue``
+    has no feeder thread), and a dead worker's value stays readable in the pipe. So this worker
+    puts it and exits as multiprocessing's bootstrap would after its target; the Event never has a
+    sleeper and the agent's ``set()`` returns at once."""
+    from multiprocessing import util
+
+    queue.put(None)
+    try:
+        util._exit_function()  # type: ignore[attr-defined]  # the process's finalizers, its children
+    finally:
+        shutdown = getattr(threading, "_shutdown", None)  # joins non-daemon threads, as at exit
+        if shutdown is not None:
+            shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

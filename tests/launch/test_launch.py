@@ -6,6 +6,8 @@ codes) while skipping the interpreter start-up and the imports.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -27,9 +29,11 @@ from tests.helpers import (
     flags,
     kill_group,
     kill_tagged,
+    pid_alive,
     read_jsonl,
     resume_run_at_2,
     run,
+    tagged,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -102,6 +106,58 @@ def test_sigterm_to_the_warm_launcher_checkpoints_and_is_booked_as_a_stop_not_a_
     assert resumed.returncode == 0, resumed.output
     assert f"step {marker.step}" in resumed.stdout and "Steps recomputed: 0" in resumed.stdout
     assert "(stop: 1)" in resumed.stdout
+
+
+def _forked_workers(token: str) -> list[int]:
+    """The launcher's workers: the processes its forkserver forked (they carry the launcher's
+    environment as it was when the forkserver started)."""
+    mine = tagged(token)
+    servers = [pid for pid in mine if "multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_text()]
+    return [pid for pid in mine if servers and _parent(pid) in servers]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def test_finished_workers_exit_without_waiting_for_the_agent(tmp_path: Path) -> None:
+    """torch's agent, once every worker's result is in, sets an Event that waits until every
+    worker sleeping on it has woken: a worker SIGKILLed in that wait left the agent blocked forever
+    (the goodput soak's last kill met it, Dec 7). Our workers hand in their result and exit without
+    the wait: with the agent frozen they still end, and the thawed agent then exits 0."""
+    short = flags(batch_size=32, max_steps_per_epoch=4, max_val_samples=64, epochs=1, target_accuracy=1.0)
+    env = base_env({**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": "hold:rank=0:step=4:until=go"})  # the last step
+    cmd = [sys.executable, "-m", "elastic_train.launch", *STANDALONE_2, "-m", "elastic_train", *short, *dirs(tmp_path)]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    token = env["ELASTIC_TRAIN_TEST_TOKEN"]
+    try:
+        faults = tmp_path / "ckpt" / ".faults"
+        deadline = time.monotonic() + 120
+        while not (faults / "fault-hold-rank0-step4-untilgo.fired").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        workers = _forked_workers(token)
+        assert len(workers) == 2, workers
+        os.kill(proc.pid, signal.SIGSTOP)  # the agent reads no result and sets no Event from now on
+        (faults / "go").write_text("")
+        deadline = time.monotonic() + 60
+        while any(pid_alive(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"finished workers {workers} still wait for the frozen agent"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        kill_group(proc)
+        kill_tagged(token)
+    assert proc.returncode == 0, out + err
+    assert "Training completed successfully." in out
 
 
 def test_only_the_trainer_can_be_launched(tmp_path: Path) -> None:
