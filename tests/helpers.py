@@ -121,7 +121,8 @@ def cli(args: Sequence[str], timeout: float = 120, env: Mapping[str, str] | None
     once per pytest worker (``_forkserver``): a fresh interpreter spent ~3 s of CPU importing
     torch and the ``torch._dynamo`` an optimizer's construction loads, most of a small run's cost
     on a 2-core machine. What only a fresh interpreter shows (the ``__main__`` module, a Ctrl-C
-    during start-up) needs ``cli_process`` or a real ``Popen``, as the signal tests use."""
+    during start-up) needs ``cli_process`` or a real ``Popen``, as the Ctrl-C tests
+    (tests/process/test_interrupt.py) use."""
     (done,) = _forked_runs([base_env(env)], args, timeout)
     return done
 
@@ -138,13 +139,61 @@ def run_ranks(
 
 @dataclass
 class _Forked:
+    """A forked ``python -m elastic_train`` (``_cli_child``), with the part of ``subprocess.Popen``'s
+    interface the rank tests use: ``pid`` (also its session), ``args``, ``poll``, ``wait``,
+    ``send_signal``, ``communicate``, ``returncode`` (negative: the signal that ended it)."""
+
     proc: Any
     env: dict[str, str]
     out: Path
     err: Path
+    args: list[str]
+
+    @classmethod
+    def make(cls, env: dict[str, str], args: Sequence[str], folder: Path, name: str) -> _Forked:
+        out, err = folder / f"{name}.stdout", folder / f"{name}.stderr"
+        proc = _forkserver().Process(target=_cli_child, args=(env, str(ROOT), list(args), str(out), str(err)))
+        return cls(proc, env, out, err, [sys.executable, "-m", "elastic_train", *args])
 
     def output(self) -> tuple[str, str]:
         return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode  # type: ignore[no-any-return]
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:  # as Popen: nothing is sent to a process known to be gone
+            os.kill(self.pid, signum)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.output()
+
+    def end(self) -> bool:
+        """SIGKILL its session and whatever carries its environment's tag; True if any of it was
+        still there (a run must not leave processes behind)."""
+        token = self.env[TOKEN_VAR]
+        leftovers = group_alive(self.pid) or bool(tagged(token))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        kill_tagged(token)
+        self.proc.kill()
+        self.proc.join()
+        return leftovers
 
 
 def _forked_runs(envs: Sequence[dict[str, str]], args: Sequence[str], timeout: float) -> list[Finished]:
@@ -153,11 +202,7 @@ def _forked_runs(envs: Sequence[dict[str, str]], args: Sequence[str], timeout: f
     start = time.monotonic()
     argv = [sys.executable, "-m", "elastic_train", *args]
     with tempfile.TemporaryDirectory() as tmp:
-        runs = []
-        for i, env in enumerate(envs):
-            out, err = Path(tmp) / f"{i}.stdout", Path(tmp) / f"{i}.stderr"
-            proc = _forkserver().Process(target=_cli_child, args=(env, str(ROOT), list(args), str(out), str(err)))
-            runs.append(_Forked(proc, env, out, err))
+        runs = [_Forked.make(env, args, Path(tmp), str(i)) for i, env in enumerate(envs)]
         leftovers = [False] * len(runs)
         try:
             for run_ in runs:
@@ -183,15 +228,8 @@ def _forked_runs(envs: Sequence[dict[str, str]], args: Sequence[str], timeout: f
             # What each started (DataLoader workers: its session; anything with its environment)
             # must not outlive it, as with ``run``.
             for i, run_ in enumerate(runs):
-                if run_.proc.pid is None:  # never started (a start before it failed)
-                    continue
-                token = run_.env[TOKEN_VAR]
-                leftovers[i] = group_alive(run_.proc.pid) or bool(tagged(token))
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(run_.proc.pid, signal.SIGKILL)
-                kill_tagged(token)
-                run_.proc.kill()
-                run_.proc.join()
+                if run_.proc.pid is not None:  # else never started (a start before it failed)
+                    leftovers[i] = run_.end()
         seconds = time.monotonic() - start
         return [
             Finished(argv, r.proc.exitcode, *r.output(), seconds, gone) for r, gone in zip(runs, leftovers, strict=True)
@@ -281,31 +319,23 @@ def torchrun(
 
 
 @contextmanager
-def ranks(
-    world_size: int, args: Sequence[str], env: Mapping[str, str] | None = None
-) -> Iterator[list[subprocess.Popen[str]]]:
-    """Start ``world_size`` plain processes with the env torchrun would set (no agent)."""
+def ranks(world_size: int, args: Sequence[str], env: Mapping[str, str] | None = None) -> Iterator[list[_Forked]]:
+    """Start ``world_size`` ranks of ``python -m elastic_train ARGS`` with the environment torchrun
+    would set (no agent), forked as ``cli``'s runs are, each in its own session; Popen-like
+    (``_Forked``). Whatever is left of them is killed when the block ends."""
     port = free_port()
-    procs = []
-    try:
-        for rank in range(world_size):
-            rank_env = {**_rank_env(rank, world_size, port), **(env or {})}
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "elastic_train", *args],
-                    env=base_env(rank_env),
-                    cwd=ROOT,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
-        yield procs
-    finally:
-        for proc in procs:
-            kill_group(proc)
-            proc.wait()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs: list[_Forked] = []
+        try:
+            for rank in range(world_size):
+                rank_env = base_env({**_rank_env(rank, world_size, port), **(env or {})})
+                procs.append(_Forked.make(rank_env, args, Path(tmp), f"rank{rank}"))
+                procs[-1].proc.start()
+            yield procs
+        finally:
+            for proc in procs:
+                if proc.proc.pid is not None:
+                    proc.end()
 
 
 def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -320,7 +350,7 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def wait_all(procs: Sequence[subprocess.Popen[str]], timeout: float) -> list[Finished]:
+def wait_all(procs: Sequence[_Forked], timeout: float) -> list[Finished]:
     deadline = time.monotonic() + timeout
     results = []
     for proc in procs:
