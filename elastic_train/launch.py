@@ -28,6 +28,7 @@ not torch's 30 s, unless ``--rdzv-conf`` sets ``last_call_timeout`` (see ``with_
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import multiprocessing
 import os
@@ -95,6 +96,8 @@ def _hand_in_and_exit(queue: Any) -> NoReturn:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        with contextlib.suppress(Exception):  # C's stdio too (torch's --redirects files): _wrap's exit would
+            ctypes.CDLL(None).fflush(None)
     os._exit(0)
 
 
