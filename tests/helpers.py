@@ -63,6 +63,7 @@ __all__ = [
     "group_alive",
     "kill_group",
     "kill_tagged",
+    "load_chaos",
     "pid_alive",
     "ranks",
     "read_jsonl",
@@ -107,6 +108,18 @@ SEED_EPOCH_LINE = re.compile(
     r"^Epoch \d+/\d+: time=\d+\.\d{3}s, train_loss=\d+\.\d{4}, train_acc=\d\.\d{4}, "
     r"val_loss=\d+\.\d{4}, val_acc=\d\.\d{4}, throughput=\d+\.\d img/s$"
 )
+
+
+def load_chaos() -> Any:
+    """``jobs/chaos.py`` as a module (a job script, not a package module): its kill schedule and
+    its ``workers(match)``, the processes a launcher started for ``-m elastic_train``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos", ROOT / "jobs" / "chaos.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def flags(**values: object) -> list[str]:

@@ -29,11 +29,11 @@ from tests.helpers import (
     flags,
     kill_group,
     kill_tagged,
+    load_chaos,
     pid_alive,
     read_jsonl,
     resume_run_at_2,
     run,
-    tagged,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -108,21 +108,6 @@ def test_sigterm_to_the_warm_launcher_checkpoints_and_is_booked_as_a_stop_not_a_
     assert "(stop: 1)" in resumed.stdout
 
 
-def _forked_workers(token: str) -> list[int]:
-    """The launcher's workers: the processes its forkserver forked (they carry the launcher's
-    environment as it was when the forkserver started)."""
-    mine = tagged(token)
-    servers = [pid for pid in mine if "multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_text()]
-    return [pid for pid in mine if servers and _parent(pid) in servers]
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
 def test_finished_workers_exit_without_waiting_for_the_agent(tmp_path: Path) -> None:
     """torch's agent, once every worker's result is in, sets an Event that waits until every
     worker sleeping on it has woken: a worker SIGKILLed in that wait left the agent blocked forever
@@ -141,7 +126,7 @@ def test_finished_workers_exit_without_waiting_for_the_agent(tmp_path: Path) -> 
         while not (faults / "fault-hold-rank0-step4-untilgo.fired").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
-        workers = _forked_workers(token)
+        workers = load_chaos().workers(str(tmp_path))  # those the launcher's forkserver forked
         assert len(workers) == 2, workers
         os.kill(proc.pid, signal.SIGSTOP)  # the agent reads no result and sets no Event from now on
         (faults / "go").write_text("")

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-CHAOS = Path(__file__).resolve().parents[2] / "jobs" / "chaos.py"
-
-
-def _chaos() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos", CHAOS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_chaos
 
 
 def test_fixed_gaps_are_the_mtbf_and_random_ones_are_exponential_with_that_mean() -> None:
-    chaos = _chaos()
+    chaos = load_chaos()
     rng = random.Random(1)
     assert {chaos.next_gap(rng, 30.0, "fixed") for _ in range(10)} == {30.0}
     gaps = [chaos.next_gap(rng, 30.0, "random") for _ in range(4000)]
