@@ -15,6 +15,7 @@ from tests.helpers import (
     dirs,
     epoch_metrics,
     final_state,
+    reference_run,
     resume_run_at_2,
     torchrun,
 )
@@ -46,16 +47,16 @@ def test_a_two_rank_checkpoint_resumed_by_one_rank_sees_every_sample_once(tmp_pa
     assert ours == theirs, "a sample was skipped or repeated across the change of world size"
 
 
-def uninterrupted_and_killed(
-    tmp_path: Path, launch: list[str], args: list[str], fault: str
-) -> tuple[Path, Path, Finished]:
-    """The same job run through, then with ``fault`` (one restart allowed); both must succeed.
-    Returns their run folders and the killed run's result."""
+def uninterrupted_and_killed(tmp_path: Path, nproc: int, args: list[str], fault: str) -> tuple[Path, Path, Finished]:
+    """The same job run through by ``nproc`` ranks (``reference_run``), then under plain
+    torchrun with ``fault`` (one restart allowed); both must succeed. Returns their run folders
+    and the killed run's result."""
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    done = torchrun(launch, [*args, *dirs(reference)], env=AGENT_ENV)
-    assert done.returncode == 0, done.output
+    reference_run(nproc, [*args, *dirs(reference)])
     done = torchrun(
-        [*launch, "--max-restarts=1"], [*args, *dirs(killed)], env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": fault}
+        ["--standalone", f"--nproc_per_node={nproc}", "--max-restarts=1"],
+        [*args, *dirs(killed)],
+        env={**AGENT_ENV, "ELASTIC_TRAIN_FAULTS": fault},
     )
     assert done.returncode == 0, done.output
     return reference, killed, done
@@ -67,7 +68,7 @@ def test_a_worker_killed_mid_epoch_is_restarted_and_a_model_with_buffers_resumes
     ResNet-18's BatchNorm statistics differ between ranks at a step boundary (each rank's own
     batch updated them); DDP re-broadcasts rank 0's at the next forward, so rank 0's are saved."""
     args = [*RESUME_RUN, "--model", "resnet18", "--image-size", "16"]
-    reference, killed, done = uninterrupted_and_killed(tmp_path, STANDALONE_2, args, "kill:rank=1:step=8")
+    reference, killed, done = uninterrupted_and_killed(tmp_path, 2, args, "kill:rank=1:step=8")
     # Step 8's async save commits at the next boundary; the kill at step 9's start comes first.
     assert f"Resumed from {killed / 'ckpt' / step_dir_name(6)} at epoch 2, step 6" in done.stdout, done.stdout
     assert "Training completed successfully." in done.stdout and not done.leftovers
@@ -82,8 +83,7 @@ def test_three_workers_killed_and_restarted_end_bitwise_equal_to_an_uninterrupte
     which DDP used to rebuild after each run's first step: the step after a resume was reduced
     over other buckets than the uninterrupted run's (the weights drifted by ~1e-5 at 4 workers;
     two ranks sum in either order alike). ``elastic_train.distributed.ddp`` fixes the layout."""
-    standalone_3 = ["--standalone", "--nproc_per_node=3"]
-    reference, killed, done = uninterrupted_and_killed(tmp_path, standalone_3, RESUME_RUN, "kill:rank=2:step=8")
+    reference, killed, done = uninterrupted_and_killed(tmp_path, 3, RESUME_RUN, "kill:rank=2:step=8")
     assert f"Resumed from {killed / 'ckpt' / step_dir_name(6)} at epoch 2, step 6" in done.stdout
     assert not done.leftovers
     assert_bitwise_equal(final_state(reference), final_state(killed))

@@ -26,7 +26,7 @@ from tests.helpers import (
     final_state,
     free_port,
     planned_samples,
-    torchrun,
+    reference_run,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,10 +56,7 @@ LONG = [*RUN, "--max-steps-per-epoch", "24"]
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 2-process run (same world size as two one-worker agents)."""
     base = tmp_path_factory.mktemp("elastic-reference")
-    done = torchrun(
-        ["--standalone", "--nproc_per_node=2"], [*RUN, *dirs(base)], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    )
-    assert done.returncode == 0, done.output
+    reference_run(2, [*RUN, *dirs(base)])
     return base
 
 

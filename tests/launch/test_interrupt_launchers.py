@@ -31,6 +31,7 @@ from tests.helpers import (
     kill_group,
     kill_tagged,
     read_jsonl,
+    reference_run,
     run,
     torchrun,
 )
@@ -53,8 +54,7 @@ HOLD = {"ELASTIC_TRAIN_FAULTS": "hold:rank=0:step=3:until=go"}
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("interrupt-reference")
-    done = torchrun(STANDALONE_2, [*RUN, *dirs(base)])
-    assert done.returncode == 0, done.output
+    reference_run(2, [*RUN, *dirs(base)])
     return base
 
 
