@@ -30,9 +30,10 @@ from tests.helpers import (
     flags,
     free_port,
     kill_tagged,
-    run,
+    reference_run,
     state_hash,
 )
+from tests.helpers import dirs as trainer_dirs
 
 pytestmark = pytest.mark.timeout(600)
 # What jobs/lib/common.sh prints when it requeues on the trainer's preemption marker.
@@ -145,10 +146,11 @@ def wait_for_checkpoint(job: Job, log_dir: Path, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-def uninterrupted(base: Path) -> None:
-    """The same training without Slurm and without a signal: the bitwise reference."""
-    done = run(["bash", "jobs/train.sbatch", *RUN], timeout=240, env={"ET_VENV": sys.prefix, **dirs(base)})
-    assert done.returncode == 0, done.output
+def uninterrupted(base: Path, args: list[str]) -> None:
+    """The same training without Slurm and without a signal, by 2 forked ranks: the bitwise
+    reference. jobs/train.sbatch passes the trainer its ``ET_*_DIR`` folders (``dirs``) and the
+    arguments; its launch outside Slurm is tests/launch/test_train_sbatch.py's."""
+    reference_run(2, [*args, *trainer_dirs(base)], timeout=240)
 
 
 def test_train_sbatch_runs_to_completion(cluster: Cluster, tmp_path: Path) -> None:
@@ -162,7 +164,7 @@ def test_train_sbatch_runs_to_completion(cluster: Cluster, tmp_path: Path) -> No
 
 
 def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, tmp_path: Path) -> None:
-    uninterrupted(tmp_path / "reference")
+    uninterrupted(tmp_path / "reference", RUN)
     base = tmp_path / "slurm"
     job = cluster.submit("jobs/train.sbatch", RUN, dirs(base))
     wait_for_checkpoint(job, base / "logs", timeout=150)
@@ -278,8 +280,7 @@ def test_a_plug_in_task_job_is_preempted_requeued_and_resumes_bit_for_bit(cluste
     """jobs/train.sbatch --task ...: the plug-in gets the Slurm machinery unchanged, its extra
     state (an EMA of the weights) included."""
     reference = tmp_path / "reference"
-    done = run(["bash", "jobs/train.sbatch", *TASK_RUN], timeout=240, env={"ET_VENV": sys.prefix, **dirs(reference)})
-    assert done.returncode == 0, done.output
+    uninterrupted(reference, TASK_RUN)
     base = tmp_path / "slurm"
     job = cluster.submit("jobs/train.sbatch", TASK_RUN, dirs(base))
     wait_for_checkpoint(job, base / "logs", timeout=150)
