@@ -61,8 +61,8 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_preempted_three_replica_job_checkpoints_one_agreed_step_and_resumes_exactly_on_two(
     tmp_path: Path, fault_free: Path
 ) -> None:
-    """Three replicas (shares of 11, 11 and 10 samples of the global batch of 32) are preempted;
-    the requeued job has two (16 + 16) and ends where the fault-free 2-replica run ends."""
+    """Three replicas (shares of 6, 5 and 5 samples of the global batch of 16) are preempted;
+    the requeued job has two (8 + 8) and ends where the fault-free 2-replica run ends."""
     job = Job(tmp_path, base_env())
     try:
         node = job.start("--nproc-per-node", "3")
@@ -80,9 +80,9 @@ def test_a_preempted_three_replica_job_checkpoints_one_agreed_step_and_resumes_e
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"Resumed from {tmp_path / 'ckpt'}" in resumed.stdout
     assert_exactly_once(tmp_path)
-    # Three shares sum each step's gradient in another order than two: measured 1.6e-5 after
-    # 120 SGD steps (1e-5 holds at the same membership). A share weighted 1/3 instead of 11/32,
-    # or a sample lost, moves the weights by orders of magnitude more.
+    # Three shares sum each step's gradient in another order than two: measured 4e-7 after 120
+    # SGD steps at a global batch of 16 (1.6e-5 and 2.9e-6 at 32). A share weighted 1/3 instead
+    # of 6/16, or a sample lost, moves the weights by orders of magnitude more.
     assert max_abs_diff(final_state(tmp_path), final_state(fault_free)) < 1e-4
 
 

@@ -44,10 +44,14 @@ from tests.helpers import (
     shared_once,
 )
 
-EPOCHS, STEPS, BATCH, SEED, TRAIN_SAMPLES = 3, 40, 32, 42, 4096  # synthetic: 4096 training images
+# A global batch of 16: every fault path here is the same at 32, and the model's arithmetic is
+# three quarters of a quorum run's CPU (a fault-free 2-replica run: 29.5 CPU-s at 32, 18 at 16;
+# these tests' files: 1014 CPU-s at 32, 730 at 16, Dec 7). --patience 0: at 16 the validation
+# accuracy can stall for 3 epochs, and an early stop would end the run these tests time faults in.
+EPOCHS, STEPS, BATCH, SEED, TRAIN_SAMPLES = 3, 40, 16, 42, 4096  # synthetic: 4096 training images
 RUN = [
     "--epochs", str(EPOCHS), "--max-steps-per-epoch", str(STEPS), "--batch-size", str(BATCH),
-    "--target-accuracy", "1.0", "--seed", str(SEED), "--checkpoint-every", "10",
+    "--target-accuracy", "1.0", "--patience", "0", "--seed", str(SEED), "--checkpoint-every", "10",
     # SGD: AdamW divides by sqrt(v) and so amplifies float reduction-order noise in tiny gradients
     # (two fault-free runs of 1 and 2 replicas end 2.5e-3 apart with AdamW): the weight check
     # would then say little.
