@@ -30,8 +30,10 @@ from tests.launch.test_quorum_trainer import job as job
 
 pytestmark = pytest.mark.timeout(300)
 TTL = 3
-# Long enough (~0.1 s a step here) for the seat to move (TTL + ~1.5 s) and a thawed node to heal back in.
-EPOCHS = 5
+# Long enough for the seat to move (TTL + ~1.5 s) and a thawed node to heal back in, and for node 1
+# to join well before the step each test acts at: while node 1's agent starts, node 0 trains alone
+# (~0.1 s a step at RUN's global batch of 16; in a fresh-clone CI run node 1 joined at step 79).
+EPOCHS = 8
 LONGER = ("--epochs", str(EPOCHS))
 TERM = re.compile(r"took the Lighthouse seat \(term (\d+)\)")
 SEAT = re.compile(r"Lighthouse at \S+ \(pid (\d+)\), bound to \S+, holding its seat")
@@ -175,7 +177,7 @@ def test_participant_0_killed_after_its_claim_the_survivor_voids_the_claim_and_t
     endpoints = ",".join(m.client for m in members)
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"seat-void-{free_port()}"]
     seat = ["--lighthouse-etcd", endpoints, "--lighthouse-ttl", str(TTL)]
-    step = 2 * STEPS + STEPS // 2  # mid-epoch 3: node 1 has long joined (asserted below)
+    step = 4 * STEPS + STEPS // 2  # mid-epoch 5: node 1 has long joined (asserted below)
     job.env["ELASTIC_TRAIN_FAULTS"] = f"kill_after_claim:rank=0:step={step}"
     node0 = job.start(*common, *seat, "--node-rank", "0", name="node0", flags=LONGER)
     del job.env["ELASTIC_TRAIN_FAULTS"]

@@ -271,9 +271,13 @@ def test_a_frozen_node_is_left_behind_within_seconds_and_a_late_node_joins_by_he
     port = free_port()
     lighthouse = f"http://127.0.0.1:{port}"
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--run-id", f"frozen-{port}"]
-    node0 = job.start(*common, "--node-rank", "0", "--lighthouse-port", str(port), name="node0")
+    # Node 0 trains alone while node 1's agent starts (in a fresh-clone CI run node 1 joined at
+    # step 77): 6 epochs leave room to freeze node 1 mid-epoch after it joined.
+    epochs = 6
+    longer = ["--epochs", str(epochs)]
+    node0 = job.start(*common, "--node-rank", "0", "--lighthouse-port", str(port), name="node0", flags=longer)
     job.until("node 0 training alone", lambda: job.committed_steps(0) >= 10)
-    node1 = job.start(*common, "--node-rank", "1", "--lighthouse", lighthouse, name="node1")
+    node1 = job.start(*common, "--node-rank", "1", "--lighthouse", lighthouse, name="node1", flags=longer)
     job.until("node 1 healed into the quorum", lambda: bool(events(job, 1, "healed")))
     joined = events(job, 1, "healed")[0]
     assert joined["from_step"] == 0 and joined["to_step"] > 0, joined
@@ -285,7 +289,7 @@ def test_a_frozen_node_is_left_behind_within_seconds_and_a_late_node_joins_by_he
     target = joined["to_step"] + 5
     if not 5 <= target % STEPS <= STEPS - 10:
         target = (target // STEPS + 1) * STEPS + 5
-    assert target < TOTAL - STEPS // 2, f"node 1 joined too late to freeze mid-epoch: {joined}"
+    assert target < epochs * STEPS - STEPS // 2, f"node 1 joined too late to freeze mid-epoch: {joined}"
     job.until("progress at world 2", lambda: job.committed_steps(1) >= target)
     frozen_at = time.time()
     os.killpg(node1.proc.pid, signal.SIGSTOP)  # the whole node: agent, forkserver, worker
@@ -294,7 +298,7 @@ def test_a_frozen_node_is_left_behind_within_seconds_and_a_late_node_joins_by_he
     assert shrink, job.output()
     # Node loss -> first step at the smaller size: the collective timeout (2 s) plus a quorum.
     assert shrink[0]["seconds_since_commit"] < 6.0, shrink[0]
-    assert_exactly_once(job.base)
+    assert_exactly_once(job.base, epochs=epochs)
     os.killpg(node1.proc.pid, signal.SIGKILL)  # the frozen node never comes back
 
 
