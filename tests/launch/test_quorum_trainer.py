@@ -46,7 +46,7 @@ from tests.helpers import (
 
 # A global batch of 16: every fault path here is the same at 32, and the model's arithmetic is
 # three quarters of a quorum run's CPU (a fault-free 2-replica run: 29.5 CPU-s at 32, 18 at 16;
-# these tests' files: 1014 CPU-s at 32, 730 at 16, Dec 7, before three window-bound tests got more
+# these tests' files: 1014 CPU-s at 32, 730 at 16, Dec 7, before four window-bound tests got more
 # epochs below and in test_quorum_lighthouse_seat.py). --patience 0: at 16 the validation
 # accuracy can stall for 3 epochs, and an early stop would end the run these tests time faults in.
 EPOCHS, STEPS, BATCH, SEED, TRAIN_SAMPLES = 3, 40, 16, 42, 4096  # synthetic: 4096 training images
