@@ -4,9 +4,9 @@
   mission's elastic torchrun (``--nnodes=1:2 --max-restarts=3``, c10d rendezvous) with a worker
   SIGKILLed mid-epoch resumes from its sharded checkpoint and ends bitwise equal: weights and
   optimizer moments (assembled from the pieces), and every epoch's metrics and sample digest.
-* A 2-process FSDP run that crashed mid-epoch under torchrun is resumed by 3 processes (32 samples a step:
-  shares of 11, 11 and 10; every tensor resharded from 2 pieces into 3): every sample of every
-  epoch exactly once (the reference's digests), and a checkpoint written in 3 pieces.
+* A 2-process FSDP run that crashed mid-epoch under torchrun is resumed by 3 processes (32
+  samples a step: shares of 11, 11 and 10; every tensor resharded from 2 pieces into 3): every
+  sample of every epoch exactly once (the reference's digests), and a checkpoint written in 3 pieces.
 """
 
 from __future__ import annotations
