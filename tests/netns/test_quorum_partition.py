@@ -21,6 +21,7 @@ import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,8 +31,8 @@ from elastic_train.testing.netns import Host, bridged_hosts, require_netns
 from tests.helpers import BIN, ROOT, TOKEN_VAR, base_env, kill_tagged
 from tests.launch import test_quorum_groups as groups_test
 from tests.launch.test_quorum_groups import SURVIVOR, VICTIM, Groups, K, commits
-from tests.launch.test_quorum_trainer import RUN, Job, _time, assert_exactly_once, events
-from tests.launch.test_quorum_trainer_groups import GROUP_WORKER, committed, worker_events
+from tests.launch.test_quorum_trainer import RUN, STEPS, Job, _time, assert_exactly_once, events
+from tests.launch.test_quorum_trainer_groups import GROUP_WORKER, worker_events, worker_log
 
 pytestmark = pytest.mark.timeout(300)
 PORT = 29510
@@ -69,6 +70,21 @@ def start(
     return proc
 
 
+def time_to_cut(node_a: list[dict[str, Any]], node_b: list[dict[str, Any]], both: int, together: int = 10) -> bool:
+    """Whether a cut now lands where the test means it to: both nodes have trained ``together``
+    steps in one quorum (world ``both``), and node a stands mid-epoch. "Step 15 reached" is not
+    enough: node a trains alone while node b starts, and b's first record is its heal to a's
+    step. A cut in an epoch's evaluation round meets that round's own bound (30 s: the whole
+    validation set may be quiet that long), not --peer-timeout. Steps are reported every 5
+    (``committed``), so the window ends 15 steps before the epoch's end."""
+    joined = [int(r["step"]) for r in node_b if r.get("event") == "quorum_changed" and r.get("world") == both]
+    steps = [int(r["step"]) for r in node_a if isinstance(r.get("step"), int)]
+    if not joined or not steps:
+        return False
+    step = max(steps)
+    return step >= joined[0] + together and 5 <= step % STEPS <= STEPS - 15
+
+
 def test_a_partitioned_node_is_left_behind_and_heals_back_in_when_the_network_returns(
     hosts: dict[str, Host], tmp_path: Path
 ) -> None:
@@ -78,7 +94,7 @@ def test_a_partitioned_node_is_left_behind_and_heals_back_in_when_the_network_re
     node_a = start(job, a, 0, ["--lighthouse-port", str(PORT)], epochs=6)
     node_b = start(job, b, 1, ["--lighthouse", f"http://{a.addr}:{PORT}"], epochs=6)
     try:
-        job.until("both nodes training", lambda: job.committed_steps(0) >= 15 and job.committed_steps(1) >= 15)
+        job.until("both nodes training, mid-epoch", lambda: time_to_cut(job.log(0), job.log(1), both=2))
         cut = b.set_link(False)
         job.until("node a alone", lambda: any(e["world"] == 1 for e in events(job, 0, "quorum_changed", cut)))
         alone = next(e for e in events(job, 0, "quorum_changed", cut) if e["world"] == 1)
@@ -116,7 +132,11 @@ def test_a_partitioned_trainer_replica_group_is_left_behind_and_heals_back_in_wo
     node_b = start(job, b, 1, ["--lighthouse", f"http://{a.addr}:{PORT}"], epochs=6, per_node=per_node)
     ranks = range(K)
     try:
-        job.until("both groups training", lambda: committed(job, 0) >= 15 and committed(job, 1) >= 15, timeout=150)
+        job.until(
+            "both groups training, mid-epoch",
+            lambda: time_to_cut(worker_log(job, 0, 0), worker_log(job, 1, 0), both=2 * K),
+            timeout=150,
+        )
         cut = b.set_link(False)
 
         def alone(rank: int) -> list[dict[str, object]]:

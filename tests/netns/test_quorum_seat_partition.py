@@ -32,7 +32,7 @@ from elastic_train.testing.etcd import etcd_cluster, require_etcd
 from elastic_train.testing.netns import Host, bridged_hosts, require_netns
 from tests.helpers import TOKEN_VAR, base_env, kill_tagged
 from tests.launch.test_quorum_trainer import Job, _time, assert_exactly_once, events
-from tests.netns.test_quorum_partition import PORT, start
+from tests.netns.test_quorum_partition import PORT, start, time_to_cut
 
 pytestmark = pytest.mark.timeout(300)
 TTL = 8  # the fence comes well after a's collective with b fails: a forms quorums of its own
@@ -68,7 +68,7 @@ def test_the_lighthouses_node_cut_off_is_fenced_and_the_other_node_takes_the_sea
         try:
             job.until("node a holding the seat", lambda: bool(SEATED.search((tmp_path / "a.out").read_text())))
             node_b = start(job, b, 1, seat, epochs=EPOCHS)
-            job.until("both nodes training", lambda: job.committed_steps(0) >= 15 and job.committed_steps(1) >= 15)
+            job.until("both nodes training, mid-epoch", lambda: time_to_cut(job.log(0), job.log(1), both=2))
             assert not SEATED.search((tmp_path / "b.out").read_text()), "node b ran a Lighthouse while a held the seat"
             cut = a.set_link(False)
             job.until(
