@@ -155,6 +155,7 @@ def _run(
         restart=env.restart_count,
         version=__version__,
         device=str(placement.device),
+        warm_data=cached is not None,  # the data came from the agent's forkserver (``warm``)
         process_started=clock.started,
         startup_s=clock.phases(),
     )

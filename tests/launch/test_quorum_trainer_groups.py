@@ -77,6 +77,20 @@ def worker_pid(node_out: Path, group: int, rank: int) -> int:
     return [int(pid) for g, pid, _, r in found if int(g) == group and int(r) == rank][-1]
 
 
+def first_change(job: Job, rank: int, fault_at: float) -> dict[str, Any]:
+    """Group 0's worker ``rank``: its first quorum change after a fault in group 1 (the redo of
+    the step the fault broke), with its time since the commit before. Alone (K of 2K workers),
+    or beside group 1 already back: the agent restarts a group in ~0.5 s here (forked warm, the
+    data already open), so its request may reach the Lighthouse before the dead group's
+    heartbeat expires (400 ms). No change at all (an empty record, nothing lost to bound) when
+    the fault fell between two attempts and the new group was in the next quorum at once."""
+    changed = worker_events(job, 0, rank, "quorum_changed", fault_at)
+    if not changed:
+        return {"seconds_since_commit": 0.0}
+    assert changed[0]["world"] in (K, 2 * K), changed[0]
+    return changed[0]
+
+
 def fault_in_group_1(job: Job, signum: int, parallel: str = "ddp") -> tuple[Node, float, str]:
     """Two groups of K workers training; ``signum`` to group 1's worker 1; both of group 1's
     workers healed again and the job finished. Returns the agent, the fault's time, its output."""
@@ -106,10 +120,9 @@ def test_a_killed_worker_takes_its_group_out_the_other_group_commits_on_and_the_
     # Only group 1 restarted, once, for the kill (the group's first failure is its code).
     assert EXITED.findall(out) == [("1", "-9")], out[-3000:]
     for rank in range(K):
-        # The survivor group went on alone (2 of 4 workers) without a restart, within seconds.
-        shrink = [e for e in worker_events(job, 0, rank, "quorum_changed", killed_at) if e["world"] == K]
-        assert shrink, f"group 0's worker {rank} never went on alone\n{job.output()}"
-        assert shrink[0]["seconds_since_commit"] < 5.0, shrink[0]
+        # The survivor group went on without a restart, within seconds.
+        first = first_change(job, rank, killed_at)
+        assert first["seconds_since_commit"] < 5.0, first
         # The restarted group healed from a live peer, not from a checkpoint.
         healed = worker_events(job, 1, rank, "healed", killed_at)
         assert healed[0]["to_step"] > 12, healed
@@ -139,11 +152,10 @@ def test_a_frozen_worker_is_killed_by_its_group_which_restarts_and_heals_while_t
     assert [group for group, _ in EXITED.findall(out)] == ["1"], out[-3000:]  # that group, once
     assert "has been silent" in out, out[-3000:]  # the group watch said why
     for rank in range(K):
-        shrink = [e for e in worker_events(job, 0, rank, "quorum_changed", frozen_at) if e["world"] == K]
-        assert shrink, f"group 0's worker {rank} never went on alone\n{job.output()}"
+        first = first_change(job, rank, frozen_at)
         # The group watch's silence bound (--peer-timeout, 1 s), the Lighthouse's heartbeat timeout,
         # a quorum and a step; the rest is margin for a loaded machine.
-        assert shrink[0]["seconds_since_commit"] < 10.0, shrink[0]
+        assert first["seconds_since_commit"] < 10.0, first
     assert_exactly_once(job.base)
     assert max_abs_diff(final_state(job.base), final_state(fault_free)) < 1e-5
 

@@ -8,13 +8,17 @@ every move of the seat, so its start is also a failover's cost.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from elastic_train.quorum import lighthouse_main
 from elastic_train.quorum.lighthouse import Lighthouse
+from elastic_train.quorum.names import WARM_ARGV_VAR
 
 
 def test_the_quorum_launcher_imports_no_torch() -> None:
@@ -48,3 +52,33 @@ def test_the_extension_is_found_without_importing_torchft() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert Path(done.stdout.strip()).name.startswith("_torchft")
+
+
+def test_a_worker_takes_the_forkservers_data_though_its_lighthouse_came_from_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent's forkserver opens the task's data once, from the trainer's flags, before the
+    first worker; each worker gets the Lighthouse's address in its environment only. A cache
+    keyed on the whole configuration missed in every worker, and every replacement opened the
+    data again: ~0.5 s of its start, past the Lighthouse's 400 ms, so the survivors always went
+    on alone first."""
+    import torch
+
+    from elastic_train.flags import parse_config
+    from elastic_train.quorum import warm
+
+    argv = ["--ft", "quorum", "--max-steps-per-epoch", "2"]
+    monkeypatch.setattr(warm, "_cache", None)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.setenv(WARM_ARGV_VAR, json.dumps(argv))
+    threads = torch.get_num_threads()
+    try:
+        warm._open()  # what the forkserver runs when it imports the module
+    finally:
+        torch.set_num_threads(threads)
+    assert warm._cache is not None, "the forkserver did not open the data"
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")  # what the agent gives each worker
+    cfg = parse_config(argv)
+    assert cfg.lighthouse == "http://127.0.0.1:29510"
+    assert warm.take(cfg) is not None
+    assert warm.take(parse_config([*argv, "--seed", "7"])) is None, "another run's flags must not take this data"
