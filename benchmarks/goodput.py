@@ -218,11 +218,18 @@ def replica_log(group: int, size: int) -> str:
 def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int], size: int = 1) -> dict[str, float]:
     """Quorum mode, per failure, from the survivor's log: detection (kill -> its attempt
     discarded: a dead peer's closed socket fails the collective at once), teardown (none: no
-    process stops), re-forming (the next quorum: the Lighthouse's heartbeat timeout), state
-    transfer (the restarted replica healing from the survivor: the survivor's wait for it) and
-    recomputation (the discarded attempt's work). ``size``: workers per replica group (a
-    quorum's world counts workers: one group alone is ``size``, both ``2 * size``)."""
-    detect, reform, redo, transfer, heal = [], [], [], [], []
+    process stops), re-forming (the survivor's first commit after the kill: that quorum's own
+    time), state transfer (the restarted replica healing from the survivor: the survivor's wait
+    for it, in the quorum it joined) and recomputation (the discarded attempt's work).
+
+    Two shapes of recovery: the survivor goes on alone first (the Lighthouse drops the dead
+    worker after its heartbeat timeout, 400 ms) and the replacement joins a later quorum; or the
+    replacement asks before that (a warm fork: ~0.15 s after the kill here) and is already in
+    the redo's quorum, whose time then includes its heal: re-forming and state transfer are one
+    quorum, booked as re-forming (state transfer 0). ``in_redo_share``: how many kills took the
+    second shape. ``size``: workers per replica group (a quorum's world counts workers: one group
+    alone is ``size``, both ``2 * size``)."""
+    detect, reform, redo, transfer, heal, in_redo = [], [], [], [], [], []
     discarded, changed, healed = events(base, "discarded"), events(base, "quorum_changed"), events(base, "healed")
     for kill in kills:
         victim = pids.get(kill["pid"])
@@ -231,15 +238,21 @@ def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int], 
         survivor_file = replica_log(1 - victim, size)
         alone, both = size, 2 * size
         lost = [e for e in discarded if e["_file"] == survivor_file and e["_t"] > kill["time"] - 5]
-        shrink = [e for e in changed if e["_file"] == survivor_file and e["_t"] > kill["time"] and e["world"] == alone]
-        grow = [e for e in changed if e["_t"] > kill["time"] and e["world"] == both and e["previous_world"] == alone]
+        after = [e for e in changed if e["_file"] == survivor_file and e["_t"] > kill["time"]]
         if lost:
             detect.append(max(0.0, lost[0]["_t"] - kill["time"]))
             redo.append(lost[0].get("attempt_s", 0.0))
-        if shrink:
-            reform.append(shrink[0].get("quorum_s", 0.0))
-        if grow:
-            transfer.append(grow[0].get("quorum_s", 0.0))
+        if after:
+            first = after[0]
+            reform.append(first.get("quorum_s", 0.0))
+            joined_at_once = first["world"] == both
+            in_redo.append(1.0 if joined_at_once else 0.0)
+            if joined_at_once:
+                transfer.append(0.0)
+            else:
+                rejoin = [e for e in after[1:] if e["world"] == both and e.get("previous_world") == alone]
+                if rejoin:
+                    transfer.append(rejoin[0].get("quorum_s", 0.0))
         # The replacement's own time for the fetch and load of the peer's state.
         fetched = [e for e in healed if e["_file"] == replica_log(victim, size) and e["_t"] > kill["time"]]
         if fetched:
@@ -252,6 +265,7 @@ def split_quorum(base: Path, kills: list[dict[str, Any]], pids: dict[int, int], 
         "state_transfer_s": med(transfer),
         "recomputation_s": med(redo),
         "heal_s": med(heal),
+        "in_redo_share": statistics.mean(in_redo) if in_redo else float("nan"),
     }
 
 
@@ -373,10 +387,14 @@ def summarise(
             splits.append(split_quorum(s["base"], s["kills"], pids, size))
         else:
             splits.append(split_restart(s["base"], s["kills"], step_s))
+    # A share, not seconds: kept out of the split (whose values are all seconds), over every kill.
+    shares = [x for x in (sp.pop("in_redo_share") for sp in splits if "in_redo_share" in sp) if x == x]  # not NaN
     split = {k: statistics.median(sp[k] for sp in splits) for k in splits[0]} if splits else {}
+    extra = {"replacement_in_redo_share": statistics.mean(shares)} if shares else {}
     return {
         **paired(ff_walls, [s["wall_s"] for s in soaks], [len(s["kills"]) for s in soaks], best_ff),
         "split_s": split,
+        **extra,
         "fault_free_step_s": step_s,
         # Where a fault-free wall goes: the epochs' training time, and the rest (start-up, exit).
         "fault_free_epoch_s": statistics.median(e for r in ff_runs for e in r["epochs_s"]),
