@@ -242,8 +242,8 @@ def test_a_short_soak_of_sigkills_costs_the_survivors_no_restart_and_keeps_every
     for victim, at in kills:
         survivor = 1 - victim
         # The survivor's first commit after the kill: alone (world 1), or already beside the
-        # replacement when its warm fork (~0.4 s here) asked before the Lighthouse dropped the
-        # dead worker (400 ms heartbeat timeout; a fresh-clone run met this); no change at all
+        # replacement when its warm fork (~0.15 s here: the usual case) asked before the
+        # Lighthouse dropped the dead worker (400 ms heartbeat timeout); no change at all
         # when the kill fell between two of its attempts and the replacement joined at once.
         # Its cost: from its last commit before the kill to its first one after, one step's own
         # time included (the target, <= 1 s, is the benchmark's: this is a bound).

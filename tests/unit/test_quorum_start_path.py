@@ -60,8 +60,8 @@ def test_a_worker_takes_the_forkservers_data_though_its_lighthouse_came_from_its
     """The agent's forkserver opens the task's data once, from the trainer's flags, before the
     first worker; each worker gets the Lighthouse's address in its environment only. A cache
     keyed on the whole configuration missed in every worker, and every replacement opened the
-    data again: ~0.5 s of its start, past the Lighthouse's 400 ms, so the survivors always went
-    on alone first."""
+    data again: ~0.5 s of its start, mostly past the Lighthouse's 400 ms, so the survivors
+    mostly went on alone first."""
     import torch
 
     from elastic_train.flags import parse_config
